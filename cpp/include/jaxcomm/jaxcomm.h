@@ -1,0 +1,304 @@
+// jaxcomm.h: helpers for XLA FFI kernels that call MPI on a jaxcomm communicator.
+//
+// jaxcomm's own handlers are written with these helpers, and so can a JaxComm
+// subclass's custom kernels (see the "Extending JaxComm" docs page). Header-only;
+// needs <mpi.h> and the XLA FFI headers (jax.ffi.include_dir()) on the include path.
+#ifndef JAXCOMM_JAXCOMM_H_
+#define JAXCOMM_JAXCOMM_H_
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxcomm {
+
+namespace ffi = xla::ffi;
+
+// The communicator arrives as the integer handle that mpi4py reports
+// (MPI._handleof): an int for MPICH-ABI libraries, a pointer for Open MPI.
+template <typename Handle = MPI_Comm>
+inline Handle comm_from_handle(int64_t handle) {
+  if constexpr (std::is_pointer_v<Handle>) {
+    return reinterpret_cast<Handle>(static_cast<intptr_t>(handle));
+  } else {
+    return static_cast<Handle>(handle);
+  }
+}
+
+inline int comm_rank(MPI_Comm comm) {
+  int rank = -1;
+  MPI_Comm_rank(comm, &rank);
+  return rank;
+}
+
+// Turns an MPI return code into an FFI error naming the operation, the rank and
+// MPI's own message; MPI_SUCCESS becomes ffi::Error::Success().
+inline ffi::Error check_mpi(int code, std::string_view op, MPI_Comm comm) {
+  if (code == MPI_SUCCESS) return ffi::Error::Success();
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) {
+    length = std::snprintf(text, sizeof text, "MPI error code %d", code);
+  }
+  std::string message = "jaxcomm: MPI error in ";
+  message.append(op).append(" on rank ").append(std::to_string(comm_rank(comm)));
+  message.append(": ").append(text, static_cast<size_t>(length));
+  return ffi::Error(ffi::ErrorCode::kInternal, std::move(message));
+}
+
+inline ffi::Error invalid_argument(std::string_view op, std::string_view what) {
+  std::string message = "jaxcomm: ";
+  message.append(op).append(": ").append(what);
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::move(message));
+}
+
+// Propagates a failed MPI call out of a handler.
+#define JAXCOMM_CHECK_MPI(call, op, comm)                          \
+  do {                                                             \
+    if (::xla::ffi::Error jaxcomm_err_ = ::jaxcomm::check_mpi((call), (op), (comm)); \
+        jaxcomm_err_.failure())                                    \
+      return jaxcomm_err_;                                         \
+  } while (0)
+
+// Reduction operators, numbered as in jaxcomm._ops.ReduceOp.
+enum class ReduceOp : int32_t {
+  kSum = 0, kProd, kMax, kMin, kLand, kLor, kLxor, kBand, kBor, kBxor
+};
+
+// ---------------------------------------------------------------------------
+// 16-bit floats. MPI has no float16/bfloat16 types, so they travel as 16-bit
+// integers and reduce through user-defined operators that compute in float.
+
+namespace half {
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof value);
+  return value;
+}
+
+inline uint16_t float_to_bf16(float value) {
+  uint32_t word;
+  std::memcpy(&word, &value, sizeof word);
+  if ((word & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((word >> 16) | 0x40);
+  word += 0x7fffu + ((word >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(word >> 16);
+}
+
+inline float f16_to_float(uint16_t bits) {
+  uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
+  uint32_t exponent = (bits >> 10) & 0x1fu;
+  uint32_t mantissa = bits & 0x3ffu;
+  uint32_t word;
+  if (exponent == 0x1f) {
+    word = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    word = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    word = sign;
+  } else {  // subnormal: normalise
+    int shift = 0;
+    while ((mantissa & 0x400u) == 0) { mantissa <<= 1; ++shift; }
+    word = sign | (static_cast<uint32_t>(113 - shift) << 23) | ((mantissa & 0x3ffu) << 13);
+  }
+  float value;
+  std::memcpy(&value, &word, sizeof value);
+  return value;
+}
+
+inline uint16_t float_to_f16(float value) {
+  uint32_t word;
+  std::memcpy(&word, &value, sizeof word);
+  uint16_t sign = static_cast<uint16_t>((word >> 16) & 0x8000u);
+  uint32_t magnitude = word & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return sign | 0x7e00u;            // NaN
+  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;           // overflow to inf
+  if (magnitude < 0x38800000u) {                                 // subnormal or zero
+    if (magnitude < 0x33000000u) return sign;
+    uint32_t exponent = magnitude >> 23;
+    uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126 - exponent;                             // 14..24
+    uint32_t result = mantissa >> shift;
+    uint32_t rest = mantissa & ((1u << shift) - 1);
+    uint32_t halfway = 1u << (shift - 1);
+    if (rest > halfway || (rest == halfway && (result & 1u))) ++result;
+    return sign | static_cast<uint16_t>(result);
+  }
+  uint32_t result = ((magnitude >> 13) - (112u << 10));
+  uint32_t rest = magnitude & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (result & 1u))) ++result;
+  return sign | static_cast<uint16_t>(result);
+}
+
+template <bool kBfloat>
+inline float to_float(uint16_t bits) { return kBfloat ? bf16_to_float(bits) : f16_to_float(bits); }
+template <bool kBfloat>
+inline uint16_t from_float(float v) { return kBfloat ? float_to_bf16(v) : float_to_f16(v); }
+
+template <bool kBfloat, ReduceOp kOp>
+void reduce_fn(void* in, void* inout, int* len, MPI_Datatype*) {
+  auto* a = static_cast<const uint16_t*>(in);
+  auto* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    float x = to_float<kBfloat>(a[i]), y = to_float<kBfloat>(b[i]), r;
+    if constexpr (kOp == ReduceOp::kSum) r = x + y;
+    else if constexpr (kOp == ReduceOp::kProd) r = x * y;
+    else if constexpr (kOp == ReduceOp::kMax) r = (x > y || x != x) ? x : y;
+    else r = (x < y || x != x) ? x : y;
+    b[i] = from_float<kBfloat>(r);
+  }
+}
+
+// User-defined MPI operators for {float16, bfloat16} x {SUM, PROD, MAX, MIN},
+// created on first use (after MPI_Init) and kept until MPI_Finalize.
+inline MPI_Op op(bool bfloat, ReduceOp reduce_op) {
+  static MPI_Op ops[2][4];
+  static std::once_flag once;
+  std::call_once(once, [] {
+    MPI_Op_create(&reduce_fn<false, ReduceOp::kSum>, 1, &ops[0][0]);
+    MPI_Op_create(&reduce_fn<false, ReduceOp::kProd>, 1, &ops[0][1]);
+    MPI_Op_create(&reduce_fn<false, ReduceOp::kMax>, 1, &ops[0][2]);
+    MPI_Op_create(&reduce_fn<false, ReduceOp::kMin>, 1, &ops[0][3]);
+    MPI_Op_create(&reduce_fn<true, ReduceOp::kSum>, 1, &ops[1][0]);
+    MPI_Op_create(&reduce_fn<true, ReduceOp::kProd>, 1, &ops[1][1]);
+    MPI_Op_create(&reduce_fn<true, ReduceOp::kMax>, 1, &ops[1][2]);
+    MPI_Op_create(&reduce_fn<true, ReduceOp::kMin>, 1, &ops[1][3]);
+  });
+  int index = static_cast<int>(reduce_op);
+  return index < 4 ? ops[bfloat ? 1 : 0][index] : MPI_OP_NULL;
+}
+
+}  // namespace half
+
+// The MPI datatype that carries elements of an XLA dtype, or MPI_DATATYPE_NULL.
+inline MPI_Datatype mpi_datatype(ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::DataType::PRED: return MPI_C_BOOL;
+    case ffi::DataType::S8: return MPI_INT8_T;
+    case ffi::DataType::S16: return MPI_INT16_T;
+    case ffi::DataType::S32: return MPI_INT32_T;
+    case ffi::DataType::S64: return MPI_INT64_T;
+    case ffi::DataType::U8: return MPI_UINT8_T;
+    case ffi::DataType::U16: return MPI_UINT16_T;
+    case ffi::DataType::U32: return MPI_UINT32_T;
+    case ffi::DataType::U64: return MPI_UINT64_T;
+    case ffi::DataType::F16: return MPI_UINT16_T;
+    case ffi::DataType::BF16: return MPI_UINT16_T;
+    case ffi::DataType::F32: return MPI_FLOAT;
+    case ffi::DataType::F64: return MPI_DOUBLE;
+    case ffi::DataType::C64: return MPI_C_FLOAT_COMPLEX;
+    case ffi::DataType::C128: return MPI_C_DOUBLE_COMPLEX;
+    default: return MPI_DATATYPE_NULL;
+  }
+}
+
+// The MPI operator that reduces `dtype` with `op`, or MPI_OP_NULL when the pair
+// is not supported (jaxcomm's Python layer rejects those before tracing).
+inline MPI_Op mpi_op(ReduceOp op, ffi::DataType dtype) {
+  if (dtype == ffi::DataType::F16 || dtype == ffi::DataType::BF16) {
+    return half::op(dtype == ffi::DataType::BF16, op);
+  }
+  if (dtype == ffi::DataType::PRED) {  // bool reduces with the logical operators
+    switch (op) {
+      case ReduceOp::kLand: case ReduceOp::kBand: case ReduceOp::kMin: return MPI_LAND;
+      case ReduceOp::kLor: case ReduceOp::kBor: case ReduceOp::kMax: return MPI_LOR;
+      case ReduceOp::kLxor: case ReduceOp::kBxor: return MPI_LXOR;
+      default: return MPI_OP_NULL;
+    }
+  }
+  switch (op) {
+    case ReduceOp::kSum: return MPI_SUM;
+    case ReduceOp::kProd: return MPI_PROD;
+    case ReduceOp::kMax: return MPI_MAX;
+    case ReduceOp::kMin: return MPI_MIN;
+    case ReduceOp::kLand: return MPI_LAND;
+    case ReduceOp::kLor: return MPI_LOR;
+    case ReduceOp::kLxor: return MPI_LXOR;
+    case ReduceOp::kBand: return MPI_BAND;
+    case ReduceOp::kBor: return MPI_BOR;
+    case ReduceOp::kBxor: return MPI_BXOR;
+  }
+  return MPI_OP_NULL;
+}
+
+// ---------------------------------------------------------------------------
+// Large messages. MPI counts are ints; a message of more than INT_MAX elements
+// is either split into pieces (element-wise operations) or described by one
+// derived datatype (block collectives), so nothing is ever truncated.
+
+inline constexpr int64_t kMaxCount = INT_MAX;
+
+// Calls fn(offset, count) for consecutive pieces of at most kMaxCount elements.
+// Zero elements still make one call, so every rank takes part in collectives.
+template <typename Fn>
+int for_each_piece(int64_t count, Fn&& fn) {
+  int64_t offset = 0;
+  do {
+    int piece = static_cast<int>(std::min<int64_t>(count - offset, kMaxCount));
+    if (int code = fn(offset, piece); code != MPI_SUCCESS) return code;
+    offset += piece;
+  } while (offset < count);
+  return MPI_SUCCESS;
+}
+
+// A (count, datatype) pair describing `elements` elements of `base`: the base type
+// itself when the count fits in an int, otherwise one committed derived type.
+class Block {
+ public:
+  Block(int64_t elements, MPI_Datatype base) : type_(base) {
+    if (elements <= kMaxCount) {
+      count_ = static_cast<int>(elements);
+      return;
+    }
+    MPI_Aint lb, extent;
+    MPI_Type_get_extent(base, &lb, &extent);
+    int64_t pieces = elements / kMaxCount, rest = elements % kMaxCount;
+    MPI_Datatype chunk, body;
+    MPI_Type_contiguous(static_cast<int>(kMaxCount), base, &chunk);
+    MPI_Type_contiguous(static_cast<int>(pieces), chunk, &body);
+    MPI_Type_free(&chunk);
+    if (rest == 0) {
+      type_ = body;
+    } else {
+      int lengths[2] = {1, static_cast<int>(rest)};
+      MPI_Aint offsets[2] = {0, static_cast<MPI_Aint>(pieces * kMaxCount * extent)};
+      MPI_Datatype types[2] = {body, base};
+      MPI_Datatype joined;
+      MPI_Type_create_struct(2, lengths, offsets, types, &joined);
+      MPI_Type_free(&body);
+      MPI_Type_create_resized(joined, 0, static_cast<MPI_Aint>(elements * extent), &type_);
+      MPI_Type_free(&joined);
+    }
+    MPI_Type_commit(&type_);
+    owned_ = true;
+    count_ = 1;
+  }
+  ~Block() {
+    if (owned_) MPI_Type_free(&type_);
+  }
+  Block(const Block&) = delete;
+  Block& operator=(const Block&) = delete;
+
+  int count() const { return count_; }
+  MPI_Datatype type() const { return type_; }
+
+ private:
+  MPI_Datatype type_;
+  int count_ = 0;
+  bool owned_ = false;
+};
+
+}  // namespace jaxcomm
+
+#endif  // JAXCOMM_JAXCOMM_H_

@@ -1,0 +1,434 @@
+// XLA FFI handlers (CPU) for every jaxcomm operation, and the Python module that
+// hands them to jax.ffi.register_ffi_target.
+//
+// Every handler takes the ordered-effect token first and returns it first, so XLA
+// keeps the calls in program order. Buffers are XLA's own: no staging copies. When
+// XLA aliases an output with an input (donation), the op runs in place.
+
+#include <mpi.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <complex>
+#include <cstring>
+#include <limits>
+
+#include "jaxcomm/jaxcomm.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+namespace ffi = xla::ffi;
+
+namespace jaxcomm {
+namespace {
+
+using Token = ffi::Token;
+using TokenOut = ffi::Result<ffi::Token>;
+using Buffer = ffi::AnyBuffer;
+using Result = ffi::Result<ffi::AnyBuffer>;
+using Status = ffi::Result<ffi::Buffer<ffi::DataType::S32, 1>>;
+
+char* bytes(const Buffer& b) { return static_cast<char*>(b.untyped_data()); }
+char* bytes(Result& b) { return static_cast<char*>(b->untyped_data()); }
+
+size_t element_size(const Buffer& b) { return ffi::ByteWidth(b.element_type()); }
+
+void copy_if_distinct(Result& out, const Buffer& in) {
+  if (bytes(out) != bytes(in)) std::memcpy(bytes(out), bytes(in), in.size_bytes());
+}
+
+ffi::Error datatype_of(const Buffer& x, std::string_view op, MPI_Datatype* type) {
+  *type = mpi_datatype(x.element_type());
+  if (*type == MPI_DATATYPE_NULL) return invalid_argument(op, "unsupported dtype");
+  return ffi::Error::Success();
+}
+
+ffi::Error reduction_of(const Buffer& x, int32_t op, std::string_view name, MPI_Datatype* type,
+                        MPI_Op* mpi) {
+  if (auto err = datatype_of(x, name, type); err.failure()) return err;
+  *mpi = mpi_op(static_cast<ReduceOp>(op), x.element_type());
+  if (*mpi == MPI_OP_NULL) return invalid_argument(name, "reduction not supported for this dtype");
+  return ffi::Error::Success();
+}
+
+// Element-wise reduction of `count` elements, in pieces that fit an int count.
+template <typename Call>
+int reduce_pieces(const void* in, void* out, int64_t count, MPI_Datatype type, Call&& call) {
+  MPI_Aint lb, extent;
+  MPI_Type_get_extent(type, &lb, &extent);
+  const bool in_place = in == out;
+  return for_each_piece(count, [&](int64_t offset, int piece) {
+    char* o = static_cast<char*>(out) + offset * extent;
+    const void* i = in_place ? MPI_IN_PLACE : static_cast<const char*>(in) + offset * extent;
+    return call(i, o, piece);
+  });
+}
+
+// Writes the identity of `op` into n elements: exscan's result on rank 0.
+template <typename T>
+void fill(void* out, int64_t n, T value) {
+  std::fill_n(static_cast<T*>(out), n, value);
+}
+
+template <typename T>
+void fill_identity_as(void* out, int64_t n, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kProd: case ReduceOp::kLand: return fill<T>(out, n, T(1));
+    case ReduceOp::kBand:
+      if constexpr (std::is_integral_v<T>) return fill<T>(out, n, static_cast<T>(~T(0)));
+      break;
+    case ReduceOp::kMax:
+      if constexpr (std::is_floating_point_v<T>) return fill<T>(out, n, -std::numeric_limits<T>::infinity());
+      if constexpr (std::is_integral_v<T>) return fill<T>(out, n, std::numeric_limits<T>::lowest());
+      break;
+    case ReduceOp::kMin:
+      if constexpr (std::is_floating_point_v<T>) return fill<T>(out, n, std::numeric_limits<T>::infinity());
+      if constexpr (std::is_integral_v<T>) return fill<T>(out, n, std::numeric_limits<T>::max());
+      break;
+    default: break;
+  }
+  std::memset(out, 0, n * sizeof(T));
+}
+
+void fill_identity(void* out, int64_t n, ffi::DataType dtype, ReduceOp op) {
+  using D = ffi::DataType;
+  switch (dtype) {
+    case D::PRED: return fill<uint8_t>(out, n, op == ReduceOp::kLand || op == ReduceOp::kBand ||
+                                                       op == ReduceOp::kMin);
+    case D::S8: return fill_identity_as<int8_t>(out, n, op);
+    case D::S16: return fill_identity_as<int16_t>(out, n, op);
+    case D::S32: return fill_identity_as<int32_t>(out, n, op);
+    case D::S64: return fill_identity_as<int64_t>(out, n, op);
+    case D::U8: return fill_identity_as<uint8_t>(out, n, op);
+    case D::U16: return fill_identity_as<uint16_t>(out, n, op);
+    case D::U32: return fill_identity_as<uint32_t>(out, n, op);
+    case D::U64: return fill_identity_as<uint64_t>(out, n, op);
+    case D::F32: return fill_identity_as<float>(out, n, op);
+    case D::F64: return fill_identity_as<double>(out, n, op);
+    case D::C64: return fill<std::complex<float>>(out, n, op == ReduceOp::kProd ? 1.0f : 0.0f);
+    case D::C128: return fill<std::complex<double>>(out, n, op == ReduceOp::kProd ? 1.0 : 0.0);
+    case D::F16: case D::BF16: {
+      const bool bf = dtype == D::BF16;
+      float value = op == ReduceOp::kProd ? 1.0f
+                    : op == ReduceOp::kMax ? -std::numeric_limits<float>::infinity()
+                    : op == ReduceOp::kMin ? std::numeric_limits<float>::infinity()
+                                           : 0.0f;
+      return fill<uint16_t>(out, n, bf ? half::float_to_bf16(value) : half::float_to_f16(value));
+    }
+    default: std::memset(out, 0, n * ffi::ByteWidth(dtype));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Reductions
+
+ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t op) {
+  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Datatype type;
+  MPI_Op mpi;
+  if (auto err = reduction_of(x, op, "allreduce", &type, &mpi); err.failure()) return err;
+  JAXCOMM_CHECK_MPI(reduce_pieces(x.untyped_data(), out->untyped_data(), x.element_count(), type,
+                                  [&](const void* i, void* o, int n) {
+                                    return MPI_Allreduce(i, o, n, type, mpi, comm);
+                                  }),
+                    "allreduce", comm);
+  return ffi::Error::Success();
+}
+
+ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t op, int32_t root) {
+  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Datatype type;
+  MPI_Op mpi;
+  if (auto err = reduction_of(x, op, "reduce", &type, &mpi); err.failure()) return err;
+  const bool is_root = comm_rank(comm) == root;
+  // Non-root ranks get their input back, so the output is always written.
+  if (!is_root) copy_if_distinct(out, x);
+  JAXCOMM_CHECK_MPI(reduce_pieces(is_root ? x.untyped_data() : out->untyped_data(),
+                                  out->untyped_data(), x.element_count(), type,
+                                  [&](const void* i, void* o, int n) {
+                                    // Non-root: send our data, receive nothing.
+                                    return is_root ? MPI_Reduce(i, o, n, type, mpi, root, comm)
+                                                   : MPI_Reduce(o, nullptr, n, type, mpi, root, comm);
+                                  }),
+                    "reduce", comm);
+  return ffi::Error::Success();
+}
+
+template <bool kExclusive>
+ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t op) {
+  constexpr std::string_view name = kExclusive ? "exscan" : "scan";
+  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Datatype type;
+  MPI_Op mpi;
+  if (auto err = reduction_of(x, op, name, &type, &mpi); err.failure()) return err;
+  JAXCOMM_CHECK_MPI(reduce_pieces(x.untyped_data(), out->untyped_data(), x.element_count(), type,
+                                  [&](const void* i, void* o, int n) {
+                                    return kExclusive ? MPI_Exscan(i, o, n, type, mpi, comm)
+                                                      : MPI_Scan(i, o, n, type, mpi, comm);
+                                  }),
+                    name, comm);
+  // MPI leaves exscan's rank-0 result undefined; ours is the identity of op.
+  if (kExclusive && comm_rank(comm) == 0) {
+    fill_identity(out->untyped_data(), x.element_count(), x.element_type(), static_cast<ReduceOp>(op));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t op) {
+  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Datatype type;
+  MPI_Op mpi;
+  if (auto err = reduction_of(x, op, "reduce_scatter", &type, &mpi); err.failure()) return err;
+  const int64_t block = out->element_count();
+  if (block <= kMaxCount) {
+    JAXCOMM_CHECK_MPI(MPI_Reduce_scatter_block(x.untyped_data(), out->untyped_data(),
+                                               static_cast<int>(block), type, mpi, comm),
+                      "reduce_scatter", comm);
+    return ffi::Error::Success();
+  }
+  // Blocks too large for an int count: one chunked reduce per destination rank.
+  int size;
+  MPI_Comm_size(comm, &size);
+  const int64_t row_bytes = block * element_size(x);
+  for (int root = 0; root < size; ++root) {
+    const char* row = bytes(x) + root * row_bytes;
+    JAXCOMM_CHECK_MPI(for_each_piece(block, [&](int64_t offset, int n) {
+                        const char* i = row + offset * element_size(x);
+                        char* o = bytes(out) + offset * element_size(x);
+                        return MPI_Reduce(i, o, n, type, mpi, root, comm);
+                      }),
+                      "reduce_scatter", comm);
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// Data movement
+
+ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t root) {
+  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Datatype type;
+  if (auto err = datatype_of(x, "bcast", &type); err.failure()) return err;
+  if (comm_rank(comm) == root) copy_if_distinct(out, x);
+  JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(), [&](int64_t offset, int n) {
+                      return MPI_Bcast(bytes(out) + offset * element_size(x), n, type, root, comm);
+                    }),
+                    "bcast", comm);
+  return ffi::Error::Success();
+}
+
+ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t root) {
+  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Datatype type;
+  if (auto err = datatype_of(x, "gather", &type); err.failure()) return err;
+  Block block(x.element_count(), type);
+  if (comm_rank(comm) == root) {
+    JAXCOMM_CHECK_MPI(MPI_Gather(x.untyped_data(), block.count(), block.type(), out->untyped_data(),
+                                 block.count(), block.type(), root, comm),
+                      "gather", comm);
+  } else {
+    copy_if_distinct(out, x);  // non-root ranks get their input back
+    JAXCOMM_CHECK_MPI(MPI_Gather(x.untyped_data(), block.count(), block.type(), nullptr, 0,
+                                 block.type(), root, comm),
+                      "gather", comm);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle) {
+  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Datatype type;
+  if (auto err = datatype_of(x, "allgather", &type); err.failure()) return err;
+  Block block(x.element_count(), type);
+  JAXCOMM_CHECK_MPI(MPI_Allgather(x.untyped_data(), block.count(), block.type(), out->untyped_data(),
+                                  block.count(), block.type(), comm),
+                    "allgather", comm);
+  return ffi::Error::Success();
+}
+
+ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t root) {
+  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Datatype type;
+  if (auto err = datatype_of(x, "scatter", &type); err.failure()) return err;
+  Block block(out->element_count(), type);
+  const bool is_root = comm_rank(comm) == root;
+  JAXCOMM_CHECK_MPI(MPI_Scatter(is_root ? x.untyped_data() : nullptr, block.count(), block.type(),
+                                out->untyped_data(), block.count(), block.type(), root, comm),
+                    "scatter", comm);
+  return ffi::Error::Success();
+}
+
+ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle) {
+  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Datatype type;
+  if (auto err = datatype_of(x, "alltoall", &type); err.failure()) return err;
+  int size;
+  MPI_Comm_size(comm, &size);
+  Block block(x.element_count() / size, type);
+  JAXCOMM_CHECK_MPI(MPI_Alltoall(x.untyped_data(), block.count(), block.type(), out->untyped_data(),
+                                 block.count(), block.type(), comm),
+                    "alltoall", comm);
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// Point to point. Received data from MPI_PROC_NULL is zeros, so the output is
+// always written; the status output holds the sender's rank and the tag.
+
+void write_status(Status& status, const MPI_Status& s) {
+  status->typed_data()[0] = s.MPI_SOURCE;
+  status->typed_data()[1] = s.MPI_TAG;
+}
+
+ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_handle, int32_t dest, int32_t tag) {
+  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Datatype type;
+  if (auto err = datatype_of(x, "send", &type); err.failure()) return err;
+  JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(), [&](int64_t offset, int n) {
+                      return MPI_Send(bytes(x) + offset * element_size(x), n, type, dest, tag, comm);
+                    }),
+                    "send", comm);
+  return ffi::Error::Success();
+}
+
+ffi::Error Recv(Token, TokenOut, Result out, Status status, int64_t comm_handle, int32_t source, int32_t tag) {
+  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Datatype type = mpi_datatype(out->element_type());
+  if (type == MPI_DATATYPE_NULL) return invalid_argument("recv", "unsupported dtype");
+  if (source == MPI_PROC_NULL) std::memset(out->untyped_data(), 0, out->size_bytes());
+  const size_t width = ffi::ByteWidth(out->element_type());
+  MPI_Status s{};
+  JAXCOMM_CHECK_MPI(for_each_piece(out->element_count(), [&](int64_t offset, int n) {
+                      int code = MPI_Recv(bytes(out) + offset * width, n, type, source, tag, comm, &s);
+                      // Later pieces come from the sender of the first.
+                      if (offset == 0 && source != MPI_PROC_NULL) { source = s.MPI_SOURCE; tag = s.MPI_TAG; }
+                      return code;
+                    }),
+                    "recv", comm);
+  write_status(status, s);
+  return ffi::Error::Success();
+}
+
+ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm_handle, int32_t source,
+                    int32_t dest, int32_t sendtag, int32_t recvtag) {
+  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Datatype send_type, recv_type = mpi_datatype(out->element_type());
+  if (auto err = datatype_of(x, "sendrecv", &send_type); err.failure()) return err;
+  if (recv_type == MPI_DATATYPE_NULL) return invalid_argument("sendrecv", "unsupported dtype");
+  const bool in_place = bytes(out) == bytes(x);
+  if (source == MPI_PROC_NULL) {
+    if (in_place && dest != MPI_PROC_NULL) {
+      // Sending from the buffer we are about to clear: send first.
+      JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(), [&](int64_t offset, int n) {
+                          return MPI_Send(bytes(x) + offset * element_size(x), n, send_type, dest,
+                                          sendtag, comm);
+                        }),
+                        "sendrecv", comm);
+      dest = MPI_PROC_NULL;
+    }
+    std::memset(out->untyped_data(), 0, out->size_bytes());
+  }
+  const size_t send_width = element_size(x), recv_width = ffi::ByteWidth(out->element_type());
+  const int64_t send_count = x.element_count(), recv_count = out->element_count();
+  const int64_t pieces_of = std::max(send_count, recv_count);
+  MPI_Status s{};
+  // Both sides split at the same element offsets, so pieces pair up across ranks
+  // even when send and receive counts differ.
+  JAXCOMM_CHECK_MPI(
+      for_each_piece(pieces_of, [&](int64_t offset, int n) {
+        int sn = static_cast<int>(std::clamp<int64_t>(send_count - offset, 0, n));
+        int rn = static_cast<int>(std::clamp<int64_t>(recv_count - offset, 0, n));
+        int code = in_place ? MPI_Sendrecv_replace(bytes(out) + offset * recv_width, rn, recv_type,
+                                                   dest, sendtag, source, recvtag, comm, &s)
+                            : MPI_Sendrecv(bytes(x) + offset * send_width, sn, send_type, dest, sendtag,
+                                           bytes(out) + offset * recv_width, rn, recv_type, source,
+                                           recvtag, comm, &s);
+        if (offset == 0 && source != MPI_PROC_NULL) { source = s.MPI_SOURCE; recvtag = s.MPI_TAG; }
+        return code;
+      }),
+      "sendrecv", comm);
+  write_status(status, s);
+  return ffi::Error::Success();
+}
+
+ffi::Error Barrier(Token, TokenOut, int64_t comm_handle) {
+  MPI_Comm comm = comm_from_handle(comm_handle);
+  JAXCOMM_CHECK_MPI(MPI_Barrier(comm), "barrier", comm);
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// Bindings
+
+// token, x -> token, out; every op names its communicator "comm".
+auto unary() {
+  return ffi::Ffi::Bind().Arg<Token>().Arg<Buffer>().Ret<Token>().Ret<Buffer>().Attr<int64_t>("comm");
+}
+using StatusBuffer = ffi::Buffer<ffi::DataType::S32, 1>;
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_allreduce, Allreduce, unary().Attr<int32_t>("op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_reduce, Reduce,
+                              unary().Attr<int32_t>("op").Attr<int32_t>("root"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_scan, Scan<false>, unary().Attr<int32_t>("op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_exscan, Scan<true>, unary().Attr<int32_t>("op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_reduce_scatter, ReduceScatter, unary().Attr<int32_t>("op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_bcast, Bcast, unary().Attr<int32_t>("root"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_gather, Gather, unary().Attr<int32_t>("root"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_allgather, Allgather, unary());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_scatter, Scatter, unary().Attr<int32_t>("root"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_alltoall, Alltoall, unary());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_send, Send,
+                              ffi::Ffi::Bind().Arg<Token>().Arg<Buffer>().Ret<Token>()
+                                  .Attr<int64_t>("comm").Attr<int32_t>("dest").Attr<int32_t>("tag"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_recv, Recv,
+                              ffi::Ffi::Bind().Arg<Token>().Ret<Token>().Ret<Buffer>().Ret<StatusBuffer>()
+                                  .Attr<int64_t>("comm").Attr<int32_t>("source").Attr<int32_t>("tag"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_sendrecv, Sendrecv,
+                              ffi::Ffi::Bind().Arg<Token>().Arg<Buffer>().Ret<Token>().Ret<Buffer>()
+                                  .Ret<StatusBuffer>().Attr<int64_t>("comm").Attr<int32_t>("source")
+                                  .Attr<int32_t>("dest").Attr<int32_t>("sendtag")
+                                  .Attr<int32_t>("recvtag"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_barrier, Barrier,
+                              ffi::Ffi::Bind().Arg<Token>().Ret<Token>().Attr<int64_t>("comm"));
+
+#define JAXCOMM_TARGETS(X)                                                                  \
+  X(allreduce) X(reduce) X(scan) X(exscan) X(reduce_scatter) X(bcast) X(gather) X(allgather) \
+  X(scatter) X(alltoall) X(send) X(recv) X(sendrecv) X(barrier)
+
+}  // namespace jaxcomm
+
+namespace {
+
+std::string library_version() {
+  char text[MPI_MAX_LIBRARY_VERSION_STRING];
+  int length = 0;
+  MPI_Get_library_version(text, &length);
+  return std::string(text, static_cast<size_t>(length));
+}
+
+bool initialized() {
+  int flag = 0;
+  MPI_Initialized(&flag);
+  return flag != 0;
+}
+
+}  // namespace
+
+NB_MODULE(_jaxcomm_cpu, m) {
+  m.doc() = "jaxcomm's CPU XLA FFI handlers.";
+  m.def("registrations", [] {
+    nb::dict targets;
+#define JAXCOMM_REGISTER(name) \
+  targets["jaxcomm_" #name] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_##name));
+    JAXCOMM_TARGETS(JAXCOMM_REGISTER)
+#undef JAXCOMM_REGISTER
+    return targets;
+  });
+  m.def("mpi_library_version", &library_version,
+        "MPI_Get_library_version of the libmpi this module is linked to.");
+  m.def("mpi_initialized", &initialized,
+        "MPI_Initialized as seen by the libmpi this module is linked to.");
+  m.attr("MPI_VERSION") = MPI_VERSION;
+}

@@ -1,0 +1,107 @@
+"""jaxcomm: MPI communication for JAX arrays, inside jax.jit, with grad and vmap.
+
+    from mpi4py import MPI
+    from jaxcomm import JaxComm
+
+    comm = JaxComm(MPI.COMM_WORLD)
+    total = jax.jit(lambda x: comm.allreduce(x, op=MPI.SUM))(x)
+
+The module-level functions (``jaxcomm.allreduce(x, op, comm=None)`` ...) take the
+same arguments as the JaxComm methods plus ``comm`` (a JaxComm, an mpi4py
+communicator, or None for COMM_WORLD), so mpi4jax code ports with
+``import jaxcomm as mpi4jax``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+from typing import Any
+
+import jax
+from mpi4py import MPI
+
+from jaxcomm import _native
+from jaxcomm._native import MPILibraryMismatchError
+from jaxcomm._ops import DTYPES, ReduceOp
+from jaxcomm.comm import JaxComm, Status
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DTYPES",
+    "JaxComm",
+    "MPILibraryMismatchError",
+    "ReduceOp",
+    "Status",
+    "allgather",
+    "allreduce",
+    "alltoall",
+    "barrier",
+    "bcast",
+    "exscan",
+    "gather",
+    "get_comm",
+    "get_include",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "scan",
+    "scatter",
+    "send",
+    "sendrecv",
+]
+
+# Finish pending jaxcomm operations before mpi4py's own exit hook (registered
+# earlier, so run later) finalises MPI; otherwise a rank can hang at exit.
+atexit.register(jax.effects_barrier)
+
+_wrapped: dict[int, JaxComm] = {}
+
+
+def get_comm(comm: JaxComm | MPI.Comm | None = None) -> JaxComm:
+    """The JaxComm for `comm`: itself, a cached duplicate of an mpi4py communicator,
+    or (None) the default JaxComm over COMM_WORLD."""
+    if isinstance(comm, JaxComm):
+        return comm
+    base = MPI.COMM_WORLD if comm is None else comm
+    key = MPI._handleof(base)
+    if key not in _wrapped:
+        _wrapped[key] = JaxComm(base)
+    return _wrapped[key]
+
+
+def _module_function(name: str):
+    method = getattr(JaxComm, name)
+
+    @functools.wraps(method)
+    def function(*args: Any, comm: JaxComm | MPI.Comm | None = None, **kwargs: Any) -> Any:
+        return getattr(get_comm(comm), name)(*args, **kwargs)
+
+    function.__doc__ = f"{method.__doc__}\n\nModule-level form of :meth:`JaxComm.{name}`."
+    return function
+
+
+allreduce = _module_function("allreduce")
+reduce = _module_function("reduce")
+scan = _module_function("scan")
+exscan = _module_function("exscan")
+reduce_scatter = _module_function("reduce_scatter")
+bcast = _module_function("bcast")
+gather = _module_function("gather")
+allgather = _module_function("allgather")
+scatter = _module_function("scatter")
+alltoall = _module_function("alltoall")
+send = _module_function("send")
+recv = _module_function("recv")
+sendrecv = _module_function("sendrecv")
+barrier = _module_function("barrier")
+
+
+def get_include() -> str:
+    """Directory holding ``jaxcomm/jaxcomm.h``, for building custom FFI kernels."""
+    return os.path.join(os.path.dirname(__file__), "include")
+
+
+del _native

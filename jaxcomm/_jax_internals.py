@@ -1,0 +1,80 @@
+"""Every use of private JAX internals in jaxcomm, in one place.
+
+JAX has no public API for primitives with ordered side effects, which is what lets
+MPI calls run in program order without user-visible tokens. This module registers
+jaxcomm's effect with JAX's (private) effect registries and lowers an op with the
+effect token threaded through the custom call. A JAX upgrade that moves these
+internals should only need changes here; the supported range is pinned in
+pyproject.toml and tested in CI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax._src import core, dispatch, effects
+from jax._src.interpreters import mlir
+
+__all__ = ["COMM_EFFECT", "apply_primitive", "lower_with_token"]
+
+
+class CommEffect(effects.Effect):
+    """The ordered effect shared by all jaxcomm operations (the implicit token chain).
+
+    One chain for every communicator: ranks must issue MPI calls in the same order
+    on every communicator they share, and XLA reordering calls on two communicators
+    differently on different ranks could deadlock.
+    """
+
+    __str__ = lambda self: "jaxcomm"  # noqa: E731
+
+
+COMM_EFFECT = CommEffect()
+
+# Where the effect may appear. Without these, JAX rejects the op under
+# cond/scan/while (control_flow), custom_vjp/custom_jvp (custom_derivatives),
+# jax.checkpoint (remat), or silently drops an op whose only output is a tangent
+# during partial evaluation (partial_eval_kept).
+for _registry in (
+    effects.lowerable_effects,
+    effects.ordered_effects,
+    effects.shardable_ordered_effects,
+    effects.control_flow_allowed_effects,
+    effects.custom_derivatives_allowed_effects,
+    effects.remat_allowed_effects,
+    effects.partial_eval_kept_effects,
+):
+    _registry.add_type(CommEffect)
+
+
+def apply_primitive(primitive: core.Primitive, *args: Any, **params: Any) -> Any:
+    """Eager evaluation: compile the single primitive once per signature and run it."""
+    return dispatch.apply_primitive(primitive, *args, **params)
+
+
+def lower_with_token(
+    target: str,
+    *,
+    aliases: dict[int, int] | None = None,
+) -> Callable[..., Sequence[Any]]:
+    """A lowering rule that calls FFI `target` as (token, *operands) -> (token, *results).
+
+    `aliases` maps operand index to result index (both without the token) for
+    outputs that may reuse an input buffer.
+    """
+    shifted = None if not aliases else {i + 1: o + 1 for i, o in aliases.items()}
+    rule = jax.ffi.ffi_lowering(target, has_side_effect=True, operand_output_aliases=shifted)
+
+    def lowering(ctx: mlir.LoweringRuleContext, *operands: Any, **attrs: Any) -> Sequence[Any]:
+        token = ctx.tokens_in.get(COMM_EFFECT)
+        inner = ctx.replace(
+            avals_in=[core.abstract_token, *ctx.avals_in],
+            avals_out=[core.abstract_token, *ctx.avals_out],
+        )
+        token_out, *results = rule(inner, token, *operands, **attrs)
+        ctx.set_tokens_out(mlir.TokenSet({COMM_EFFECT: token_out}))
+        return results
+
+    return lowering

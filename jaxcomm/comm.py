@@ -1,0 +1,335 @@
+"""JaxComm: an MPI communicator whose operations are JAX primitives."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from mpi4py import MPI
+
+from jaxcomm import _collectives, _p2p, _reductions
+from jaxcomm._ops import ReduceOp, as_reduce_op, check_dtype, check_reduction
+from jaxcomm._primitive import CommInfo
+
+PyTree = Any
+Self = TypeVar("Self", bound="JaxComm")
+
+
+class Status(NamedTuple):
+    """Source rank and tag of a received message (int32 scalars, traceable)."""
+
+    source: jax.Array
+    tag: jax.Array
+
+
+def _static_int(operation: str, name: str, value: Any) -> int:
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{operation}: {name} must be a Python int fixed at trace time, got a traced "
+            f"value; mark it static (e.g. jax.jit(..., static_argnames={name!r}))"
+        )
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{operation}: {name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def _signed64(handle: int) -> int:
+    """mpi4py reports handles as unsigned; the FFI attribute is a signed int64."""
+    return handle - (1 << 64) if handle >= (1 << 63) else handle
+
+
+class JaxComm:
+    """An MPI intracommunicator whose methods are JAX operations.
+
+    ``JaxComm(comm)`` duplicates ``comm`` (default ``MPI.COMM_WORLD``; a collective
+    call), so jaxcomm traffic never matches messages sent with mpi4py on ``comm``.
+    Every method is ordered with every other jaxcomm call in program order, inside
+    and across jitted functions and eager code, without tokens.
+    """
+
+    def __init__(self, comm: MPI.Comm | JaxComm | None = None):
+        base = MPI.COMM_WORLD if comm is None else comm
+        if isinstance(base, JaxComm):
+            base = base.mpi
+        if not isinstance(base, MPI.Comm) or base == MPI.COMM_NULL:
+            raise TypeError(f"JaxComm: comm must be an mpi4py communicator, got {base!r}")
+        if base.Is_inter():
+            raise TypeError("JaxComm: comm must be an intracommunicator, got an intercommunicator")
+        self._mpi = base.Dup()
+        # Errors come back as codes that the FFI handlers turn into exceptions,
+        # instead of aborting the job.
+        self._mpi.Set_errhandler(MPI.ERRORS_RETURN)
+        self._info = CommInfo(
+            _signed64(MPI._handleof(self._mpi)), self._mpi.Get_rank(), self._mpi.Get_size()
+        )
+        self._tag_ub = self._mpi.Get_attr(MPI.TAG_UB)
+
+    # -- identity -------------------------------------------------------------
+    @property
+    def mpi(self) -> MPI.Intracomm:
+        """The wrapped (duplicated) mpi4py communicator."""
+        return self._mpi
+
+    @property
+    def rank(self) -> int:
+        return self._info.rank
+
+    @property
+    def size(self) -> int:
+        return self._info.size
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._info == self._info
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._info))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+    # -- derived communicators ---------------------------------------------------
+    def dup(self: Self) -> Self:
+        """A new communicator of the same type and group (collective)."""
+        return type(self)(self._mpi)
+
+    def split(self: Self, color: int, key: int = 0) -> Self | None:
+        """Like MPI_Comm_split; None on ranks that pass color=MPI.UNDEFINED."""
+        part = self._mpi.Split(color, key)
+        if part == MPI.COMM_NULL:
+            return None
+        try:
+            return type(self)(part)
+        finally:
+            part.Free()
+
+    def free(self) -> None:
+        """Free the MPI communicator (collective). The JaxComm is unusable after."""
+        jax.effects_barrier()
+        if self._mpi != MPI.COMM_NULL:
+            self._mpi.Free()
+
+    def __enter__(self: Self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+    # -- argument checks -------------------------------------------------------------
+    @property
+    def _comm(self) -> CommInfo:
+        if self._mpi == MPI.COMM_NULL:
+            raise ValueError(f"{self!r} has been freed")
+        return self._info
+
+    def _rank(self, operation: str, name: str, value: Any, *extra: int) -> int:
+        rank = _static_int(operation, name, value)
+        if not (0 <= rank < self.size or rank in extra):
+            raise ValueError(
+                f"{operation}: {name}={rank} is out of range for a communicator of size {self.size}"
+            )
+        return rank
+
+    def _tag(self, operation: str, name: str, value: Any, *extra: int) -> int:
+        tag = _static_int(operation, name, value)
+        if not (0 <= tag <= self._tag_ub or tag in extra):
+            raise ValueError(f"{operation}: {name}={tag} must be between 0 and {self._tag_ub}")
+        return tag
+
+    def _leaves(self, operation: str, x: PyTree, op: ReduceOp | None = None):
+        leaves, tree = jax.tree.flatten(x)
+        leaves = [jnp.asarray(leaf) for leaf in leaves]
+        for leaf in leaves:
+            if op is None:
+                check_dtype(operation, leaf.dtype)
+            else:
+                check_reduction(operation, op, leaf.dtype)
+        return leaves, tree
+
+    def _leading_axis(self, operation: str, leaf: jax.Array, what: str = "x") -> None:
+        if leaf.ndim == 0 or leaf.shape[0] != self.size:
+            raise ValueError(
+                f"{operation}: {what} must have a leading axis of length size={self.size}, "
+                f"got shape {leaf.shape}"
+            )
+
+    def _map(self, fn, leaves, tree) -> PyTree:
+        return jax.tree.unflatten(tree, [fn(leaf) for leaf in leaves])
+
+    # -- reductions ---------------------------------------------------------------
+    def allreduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
+        """Element-wise reduction over all ranks, on every rank. Same shapes as x."""
+        op = as_reduce_op(op)
+        leaves, tree = self._leaves("allreduce", x, op)
+        comm = self._comm
+        return self._map(lambda a: _reductions.allreduce(a, comm=comm, op=op), leaves, tree)
+
+    def reduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM, root: int = 0) -> PyTree:
+        """The reduction on root; other ranks get x back unchanged. Same shapes as x."""
+        op = as_reduce_op(op)
+        root = self._rank("reduce", "root", root)
+        leaves, tree = self._leaves("reduce", x, op)
+        comm = self._comm
+        return self._map(lambda a: _reductions.reduce(a, comm=comm, op=op, root=root), leaves, tree)
+
+    def scan(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
+        """Inclusive prefix reduction: rank r gets op(x_0, ..., x_r). Same shapes as x."""
+        op = as_reduce_op(op)
+        leaves, tree = self._leaves("scan", x, op)
+        comm = self._comm
+        return self._map(lambda a: _reductions.scan(a, comm=comm, op=op), leaves, tree)
+
+    def exscan(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
+        """Exclusive prefix reduction: rank r gets op(x_0, ..., x_{r-1}).
+
+        Rank 0 gets the identity of op (0 for SUM, 1 for PROD, the dtype's lowest
+        value for MAX, ...) where MPI would leave it undefined. Same shapes as x.
+        """
+        op = as_reduce_op(op)
+        leaves, tree = self._leaves("exscan", x, op)
+        comm = self._comm
+        return self._map(lambda a: _reductions.exscan(a, comm=comm, op=op), leaves, tree)
+
+    def reduce_scatter(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
+        """x: (size, *s) on every rank; rank r gets row r of the reduction, shape s."""
+        op = as_reduce_op(op)
+        leaves, tree = self._leaves("reduce_scatter", x, op)
+        for leaf in leaves:
+            self._leading_axis("reduce_scatter", leaf)
+        comm = self._comm
+        return self._map(lambda a: _reductions.reduce_scatter(a, comm=comm, op=op), leaves, tree)
+
+    # -- data movement --------------------------------------------------------------
+    def bcast(self, x: PyTree, root: int = 0) -> PyTree:
+        """Root's x on every rank. Non-root ranks pass an array of the same shape."""
+        root = self._rank("bcast", "root", root)
+        leaves, tree = self._leaves("bcast", x)
+        comm = self._comm
+        return self._map(lambda a: _collectives.bcast(a, comm=comm, root=root), leaves, tree)
+
+    def gather(self, x: PyTree, root: int = 0) -> PyTree:
+        """On root, (size, *x.shape) with rank i's x in row i; other ranks get x back."""
+        root = self._rank("gather", "root", root)
+        leaves, tree = self._leaves("gather", x)
+        comm = self._comm
+        return self._map(lambda a: _collectives.gather(a, comm=comm, root=root), leaves, tree)
+
+    def allgather(self, x: PyTree) -> PyTree:
+        """(size, *x.shape) on every rank, with rank i's x in row i."""
+        leaves, tree = self._leaves("allgather", x)
+        comm = self._comm
+        return self._map(lambda a: _collectives.allgather(a, comm=comm), leaves, tree)
+
+    def scatter(self, x: PyTree, root: int = 0) -> PyTree:
+        """Root passes (size, *s); every rank gets its row, shape s.
+
+        Non-root ranks pass an array of shape s (its values are not read).
+        """
+        root = self._rank("scatter", "root", root)
+        leaves, tree = self._leaves("scatter", x)
+        if self.rank == root:
+            for leaf in leaves:
+                self._leading_axis("scatter", leaf, "x on the root rank")
+        comm = self._comm
+        return self._map(lambda a: _collectives.scatter(a, comm=comm, root=root), leaves, tree)
+
+    def alltoall(self, x: PyTree) -> PyTree:
+        """x: (size, *s). Row i of the result is rank i's row `rank`."""
+        leaves, tree = self._leaves("alltoall", x)
+        for leaf in leaves:
+            self._leading_axis("alltoall", leaf)
+        comm = self._comm
+        return self._map(lambda a: _collectives.alltoall(a, comm=comm), leaves, tree)
+
+    # -- point to point -----------------------------------------------------------------
+    def send(self: Self, x: PyTree, dest: int, tag: int = 0) -> Self:
+        """Send x to rank dest (blocking until MPI may reuse the buffer). Returns self."""
+        dest = self._rank("send", "dest", dest, MPI.PROC_NULL)
+        tag = self._tag("send", "tag", tag)
+        leaves, _ = self._leaves("send", x)
+        comm = self._comm
+        for leaf in leaves:
+            _p2p.send(leaf, comm=comm, dest=dest, tag=tag)
+        return self
+
+    def recv(
+        self,
+        x: PyTree,
+        source: int = MPI.ANY_SOURCE,
+        tag: int = MPI.ANY_TAG,
+        *,
+        return_status: bool = False,
+    ) -> PyTree | tuple[PyTree, Status]:
+        """Receive arrays shaped like x (a template; its values are not read).
+
+        From MPI.PROC_NULL the result is zeros. With return_status=True, returns
+        (result, Status(source, tag)) of the (last) message received.
+        """
+        source = self._rank("recv", "source", source, MPI.ANY_SOURCE, MPI.PROC_NULL)
+        tag = self._tag("recv", "tag", tag, MPI.ANY_TAG)
+        leaves, tree = self._leaves("recv", x)
+        if len(leaves) > 1 and source == MPI.ANY_SOURCE:
+            raise ValueError("recv: a pytree with several arrays needs an explicit source")
+        comm = self._comm
+        results, status = [], jnp.array([source, tag], np.int32)
+        for leaf in leaves:
+            out, status = _p2p.recv(
+                comm=comm, shape=leaf.shape, dtype=leaf.dtype, source=source, tag=tag
+            )
+            results.append(out)
+        result = jax.tree.unflatten(tree, results)
+        return (result, Status(status[0], status[1])) if return_status else result
+
+    def sendrecv(
+        self,
+        sendbuf: PyTree,
+        recvbuf: PyTree | None = None,
+        source: int = MPI.ANY_SOURCE,
+        dest: int = MPI.PROC_NULL,
+        sendtag: int = 0,
+        recvtag: int = MPI.ANY_TAG,
+        *,
+        return_status: bool = False,
+    ) -> PyTree | tuple[PyTree, Status]:
+        """Send sendbuf to dest and receive from source in one deadlock-free call.
+
+        recvbuf is a shape/dtype template for the result (default: like sendbuf).
+        From MPI.PROC_NULL the result is zeros.
+        """
+        source = self._rank("sendrecv", "source", source, MPI.ANY_SOURCE, MPI.PROC_NULL)
+        dest = self._rank("sendrecv", "dest", dest, MPI.PROC_NULL)
+        sendtag = self._tag("sendrecv", "sendtag", sendtag)
+        recvtag = self._tag("sendrecv", "recvtag", recvtag, MPI.ANY_TAG)
+        send_leaves, tree = self._leaves("sendrecv", sendbuf)
+        if recvbuf is None:
+            recv_leaves = send_leaves
+        else:
+            recv_leaves, recv_tree = self._leaves("sendrecv", recvbuf)
+            if recv_tree != tree:
+                raise ValueError(
+                    f"sendrecv: recvbuf's structure {recv_tree} differs from sendbuf's {tree}"
+                )
+        if len(send_leaves) > 1 and source == MPI.ANY_SOURCE:
+            raise ValueError("sendrecv: a pytree with several arrays needs an explicit source")
+        comm = self._comm
+        results, status = [], jnp.array([source, recvtag], np.int32)
+        for s, r in zip(send_leaves, recv_leaves, strict=True):
+            out, status = _p2p.sendrecv(
+                s,
+                comm=comm,
+                shape=r.shape,
+                dtype=r.dtype,
+                source=source,
+                dest=dest,
+                sendtag=sendtag,
+                recvtag=recvtag,
+            )
+            results.append(out)
+        result = jax.tree.unflatten(tree, results)
+        return (result, Status(status[0], status[1])) if return_status else result
+
+    def barrier(self: Self) -> Self:
+        """Block until every rank has reached the barrier. Returns self."""
+        _p2p.barrier(comm=self._comm)
+        return self
