@@ -119,6 +119,27 @@ void fill_identity(void* out, int64_t n, ffi::DataType dtype, ReduceOp op) {
   }
 }
 
+// MPI's logical operators on integers pass a lone operand through unchanged (one
+// rank, scan on rank 0); jaxcomm's logical results are always 0 or 1.
+template <typename T>
+void to_truth(void* out, int64_t n) {
+  T* p = static_cast<T*>(out);
+  for (int64_t i = 0; i < n; ++i) p[i] = p[i] != 0;
+}
+
+void normalize_logical(void* out, int64_t n, ffi::DataType dtype, int32_t op) {
+  auto reduce_op = static_cast<ReduceOp>(op);
+  if (reduce_op != ReduceOp::kLand && reduce_op != ReduceOp::kLor && reduce_op != ReduceOp::kLxor) return;
+  using D = ffi::DataType;
+  switch (dtype) {
+    case D::S8: case D::U8: return to_truth<uint8_t>(out, n);
+    case D::S16: case D::U16: return to_truth<uint16_t>(out, n);
+    case D::S32: case D::U32: return to_truth<uint32_t>(out, n);
+    case D::S64: case D::U64: return to_truth<uint64_t>(out, n);
+    default: return;
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Reductions
 
@@ -132,6 +153,7 @@ ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle,
                                     return MPI_Allreduce(i, o, n, type, mpi, comm);
                                   }),
                     "allreduce", comm);
+  normalize_logical(out->untyped_data(), x.element_count(), x.element_type(), op);
   return ffi::Error::Success();
 }
 
@@ -151,6 +173,7 @@ ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, in
                                                    : MPI_Reduce(o, nullptr, n, type, mpi, root, comm);
                                   }),
                     "reduce", comm);
+  if (is_root) normalize_logical(out->untyped_data(), x.element_count(), x.element_type(), op);
   return ffi::Error::Success();
 }
 
@@ -170,6 +193,8 @@ ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int3
   // MPI leaves exscan's rank-0 result undefined; ours is the identity of op.
   if (kExclusive && comm_rank(comm) == 0) {
     fill_identity(out->untyped_data(), x.element_count(), x.element_type(), static_cast<ReduceOp>(op));
+  } else {
+    normalize_logical(out->untyped_data(), x.element_count(), x.element_type(), op);
   }
   return ffi::Error::Success();
 }
@@ -184,6 +209,7 @@ ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_han
     JAXCOMM_CHECK_MPI(MPI_Reduce_scatter_block(x.untyped_data(), out->untyped_data(),
                                                static_cast<int>(block), type, mpi, comm),
                       "reduce_scatter", comm);
+    normalize_logical(out->untyped_data(), block, x.element_type(), op);
     return ffi::Error::Success();
   }
   // Blocks too large for an int count: one chunked reduce per destination rank.
@@ -199,6 +225,7 @@ ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_han
                       }),
                       "reduce_scatter", comm);
   }
+  normalize_logical(out->untyped_data(), block, x.element_type(), op);
   return ffi::Error::Success();
 }
 

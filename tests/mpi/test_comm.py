@@ -1,0 +1,94 @@
+"""The JaxComm object: duplication, identity, derived communicators, no recompiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from data import FLOAT, assert_values
+from mpi4py import MPI
+
+import jaxcomm
+from jaxcomm import JaxComm
+
+
+def test_duplicates_and_properties(comm):
+    assert comm.mpi != MPI.COMM_WORLD
+    assert MPI.Comm.Compare(comm.mpi, MPI.COMM_WORLD) == MPI.CONGRUENT
+    assert (comm.rank, comm.size) == (MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size)
+    assert isinstance(comm.rank, int) and isinstance(comm.size, int)
+    assert comm.mpi.Get_errhandler() == MPI.ERRORS_RETURN
+
+
+def test_hash_and_equality(comm):
+    assert comm == comm and hash(comm) == hash(comm)
+    other = comm.dup()
+    assert other != comm
+    assert len({comm, other, comm}) == 2
+    other.free()
+
+
+def test_static_argument(comm):
+    f = jax.jit(lambda x, c: c.allreduce(x), static_argnums=1)
+    assert_values(f(jnp.ones(2), comm), np.full(2, comm.size, FLOAT))
+
+
+def test_eager_calls_do_not_recompile(comm):
+    x = jnp.ones(3)
+    comm.allreduce(x)
+    counts = []
+    for _ in range(3):
+        before = jax._src.dispatch.xla_primitive_callable.cache_info().misses
+        comm.allreduce(x)
+        comm.bcast(x, root=0)
+        counts.append(jax._src.dispatch.xla_primitive_callable.cache_info().misses - before)
+    assert counts[1:] == [0, 0], counts
+
+
+def test_no_cross_matching_with_mpi4py_traffic(comm):
+    """A message sent with mpi4py on COMM_WORLD is never received by jaxcomm."""
+    world = MPI.COMM_WORLD
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    request = world.isend(np.full(3, -1.0), dest=right, tag=0)
+    out = comm.sendrecv(jnp.full(3, float(comm.rank)), source=left, dest=right)
+    assert_values(out, np.full(3, float(left), FLOAT))
+    assert np.all(world.recv(source=left, tag=0) == -1.0)
+    request.wait()
+
+
+def test_split_and_dup_keep_subclass(comm):
+    class MyComm(JaxComm):
+        def allmean(self, x):
+            return jax.tree.map(lambda a: a / self.size, self.allreduce(x))
+
+    mine = MyComm(comm.mpi)
+    half = mine.split(color=comm.rank % 2, key=comm.rank)
+    assert type(half) is MyComm and type(mine.dup()) is MyComm
+    members = [r for r in range(comm.size) if r % 2 == comm.rank % 2]
+    assert half.size == len(members) and half.rank == members.index(comm.rank)
+    assert_values(half.allmean(jnp.float32(comm.rank)), np.float32(np.mean(members)))
+    assert mine.split(MPI.UNDEFINED) is None
+    half.free()
+    with pytest.raises(ValueError, match="has been freed"):
+        half.allreduce(jnp.zeros(1))
+
+
+def test_rejects_intercommunicator(comm):
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    local = MPI.COMM_WORLD.Split(comm.rank % 2, comm.rank)
+    inter = local.Create_intercomm(
+        0, MPI.COMM_WORLD, 1 - comm.rank % 2 if comm.rank < 2 else (comm.rank + 1) % 2, 9
+    )
+    with pytest.raises(TypeError, match="must be an intracommunicator"):
+        JaxComm(inter)
+    inter.Free()
+    local.Free()
+
+
+def test_module_level_functions(comm):
+    x = jnp.full(2, float(comm.rank))
+    total = float(sum(range(comm.size)))
+    assert_values(jaxcomm.allreduce(x, MPI.SUM), np.full(2, total, FLOAT))
+    assert_values(jaxcomm.allreduce(x, MPI.SUM, comm=MPI.COMM_WORLD), np.full(2, total, FLOAT))
+    assert_values(jaxcomm.bcast(x, 0, comm=comm), np.zeros(2, FLOAT))
+    assert jaxcomm.get_comm(MPI.COMM_WORLD) is jaxcomm.get_comm(MPI.COMM_WORLD)

@@ -1,0 +1,69 @@
+"""Ordered effects: program order inside and across jit, control flow, DCE, remat."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from data import FLOAT, assert_values
+
+
+def test_unused_results_still_run(comm):
+    """A jitted function whose only MPI effect is an unused send still sends: if it
+    were removed, the plain recv below would never complete (the suite times out)."""
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+
+    @jax.jit
+    def f(x):
+        comm.send(x * 2, dest=right, tag=5)
+        comm.barrier()
+        return x + 1
+
+    assert_values(f(jnp.full(2, float(comm.rank))), np.full(2, comm.rank + 1.0, FLOAT))
+    assert_values(comm.recv(jnp.zeros(2), source=left, tag=5), np.full(2, 2.0 * left, FLOAT))
+
+
+def test_control_flow(comm):
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+
+    @jax.jit
+    def loops(x):
+        x = jax.lax.fori_loop(0, 3, lambda i, v: comm.sendrecv(v, source=left, dest=right), x)
+        x, _ = jax.lax.scan(lambda c, _: (comm.allreduce(c) / comm.size, None), x, None, length=2)
+        x = jax.lax.cond(x.sum() > -1, lambda v: comm.bcast(v, root=0), lambda v: v, x)
+        return jax.lax.while_loop(
+            lambda c: c[1] < 2, lambda c: (comm.allreduce(c[0]) / comm.size, c[1] + 1), (x, 0)
+        )[0]
+
+    # After the ring shifts every rank holds some rank's number; then all average.
+    mean = sum(range(comm.size)) / comm.size
+    assert_values(loops(jnp.full(2, float(comm.rank))), np.full(2, mean, FLOAT))
+
+
+def test_nested_jit_checkpoint_and_custom_vjp(comm):
+    @jax.custom_vjp
+    def f(x):
+        return comm.allreduce(x)
+
+    f.defvjp(lambda x: (comm.allreduce(x), None), lambda _, g: (g,))
+
+    @jax.jit
+    def outer(x):
+        y = jax.jit(lambda v: comm.allreduce(v))(x)
+        z = jax.checkpoint(lambda v: comm.allreduce(v) * 2)(y)
+        return f(z)
+
+    size = comm.size
+    assert_values(outer(jnp.ones(2)), np.full(2, 2 * size**3, FLOAT))
+
+
+def test_many_ops_one_jit_keep_order(comm):
+    """Alternating collectives on two communicators: any reordering would deadlock or mix."""
+    other = comm.dup()
+
+    @jax.jit
+    def f(x):
+        for i in range(10):
+            x = (comm if i % 2 else other).allreduce(x) / comm.size + 1
+        return x
+
+    assert_values(f(jnp.zeros(3)), np.full(3, 10.0, FLOAT))
+    other.free()

@@ -1,0 +1,41 @@
+"""Launching programs under the mpiexec of the MPI that mpi4py uses."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+def mpiexec() -> str:
+    """The mpiexec next to this interpreter (an MPI wheel in the venv), else PATH's."""
+    local = Path(sys.executable).parent / "mpiexec"
+    found = str(local) if local.exists() else shutil.which("mpiexec")
+    if found is None:
+        raise RuntimeError("no mpiexec found: install an MPI (pip install mpich)")
+    return found
+
+
+def is_open_mpi(launcher: str) -> bool:
+    out = subprocess.run([launcher, "--version"], capture_output=True, text=True).stdout
+    return "Open MPI" in out or "OpenRTE" in out or "prte" in out.lower()
+
+
+def run(nprocs: int, args: list[str], timeout: float, env: dict[str, str] | None = None):
+    """Run `python args...` on nprocs ranks; oversubscription is allowed and idle
+    ranks yield the CPU, so more ranks than cores neither fails nor stalls."""
+    launcher = mpiexec()
+    command = [launcher, "-n", str(nprocs)]
+    full_env = dict(os.environ, **(env or {}))
+    if is_open_mpi(launcher):
+        command.append("--oversubscribe")
+        full_env.update(
+            OMPI_ALLOW_RUN_AS_ROOT="1",
+            OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+            OMPI_MCA_mpi_yield_when_idle="1",
+            OMPI_MCA_rmaps_base_oversubscribe="1",
+        )
+    command += [sys.executable, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env)

@@ -1,0 +1,28 @@
+"""Runs the per-rank suite in tests/mpi under mpiexec with 1 to 4 ranks."""
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from mpirun import run
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_mpi_suite(nprocs):
+    marks = os.environ.get("JAXCOMM_TEST_MARKS", "")
+    args = ["-m", "pytest", str(HERE / "mpi"), "-q", "-x", "-p", "no:cacheprovider", "--color=no"]
+    if marks:
+        args += ["-m", marks]
+    result = run(
+        nprocs,
+        args,
+        timeout=900,
+        env={"JAXCOMM_TEST_RANKS": str(nprocs), "PYTHONPATH": str(HERE)},
+    )
+    summaries = re.findall(r"^=*\s*(\d+ passed.*?)\s*=*$", result.stdout, re.M)
+    print(f"{nprocs} ranks:", summaries)
+    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
+    assert len(summaries) == nprocs, result.stdout[-5000:]
