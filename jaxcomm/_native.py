@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 from mpi4py import MPI  # initialises MPI and loads libmpi before our extension
 
@@ -21,6 +23,13 @@ _REBUILD_HINT = (
 
 def _load():
     mpi4py_library = MPI.Get_library_version().strip()
+    package = Path(__file__).parent
+    if not any(package.glob("_jaxcomm_cpu*")):
+        raise ImportError(
+            f"jaxcomm is being imported from {package}, which has no compiled extension "
+            "(a source checkout?). Install it with `pip install .` and run from outside "
+            "the source directory."
+        )
     try:
         from jaxcomm import _jaxcomm_cpu as cpu
     except ImportError as err:

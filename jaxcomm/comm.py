@@ -154,31 +154,30 @@ class JaxComm:
                 f"got shape {leaf.shape}"
             )
 
-    def _map(self, fn, leaves, tree) -> PyTree:
-        return jax.tree.unflatten(tree, [fn(leaf) for leaf in leaves])
+    def _apply(
+        self, operation: str, fn, x: PyTree, *, leading_axis: bool = False, **params
+    ) -> PyTree:
+        """Check x's leaves and apply the single-array op `fn` to each of them."""
+        leaves, tree = self._leaves(operation, x, params.get("op"))
+        if leading_axis:
+            for leaf in leaves:
+                self._leading_axis(operation, leaf)
+        comm = self._comm
+        return jax.tree.unflatten(tree, [fn(leaf, comm=comm, **params) for leaf in leaves])
 
     # -- reductions ---------------------------------------------------------------
     def allreduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Element-wise reduction over all ranks, on every rank. Same shapes as x."""
-        op = as_reduce_op(op)
-        leaves, tree = self._leaves("allreduce", x, op)
-        comm = self._comm
-        return self._map(lambda a: _reductions.allreduce(a, comm=comm, op=op), leaves, tree)
+        return self._apply("allreduce", _reductions.allreduce, x, op=as_reduce_op(op))
 
     def reduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM, root: int = 0) -> PyTree:
         """The reduction on root; other ranks get x back unchanged. Same shapes as x."""
-        op = as_reduce_op(op)
         root = self._rank("reduce", "root", root)
-        leaves, tree = self._leaves("reduce", x, op)
-        comm = self._comm
-        return self._map(lambda a: _reductions.reduce(a, comm=comm, op=op, root=root), leaves, tree)
+        return self._apply("reduce", _reductions.reduce, x, op=as_reduce_op(op), root=root)
 
     def scan(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Inclusive prefix reduction: rank r gets op(x_0, ..., x_r). Same shapes as x."""
-        op = as_reduce_op(op)
-        leaves, tree = self._leaves("scan", x, op)
-        comm = self._comm
-        return self._map(lambda a: _reductions.scan(a, comm=comm, op=op), leaves, tree)
+        return self._apply("scan", _reductions.scan, x, op=as_reduce_op(op))
 
     def exscan(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Exclusive prefix reduction: rank r gets op(x_0, ..., x_{r-1}).
@@ -186,40 +185,29 @@ class JaxComm:
         Rank 0 gets the identity of op (0 for SUM, 1 for PROD, the dtype's lowest
         value for MAX, ...) where MPI would leave it undefined. Same shapes as x.
         """
-        op = as_reduce_op(op)
-        leaves, tree = self._leaves("exscan", x, op)
-        comm = self._comm
-        return self._map(lambda a: _reductions.exscan(a, comm=comm, op=op), leaves, tree)
+        return self._apply("exscan", _reductions.exscan, x, op=as_reduce_op(op))
 
     def reduce_scatter(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """x: (size, *s) on every rank; rank r gets row r of the reduction, shape s."""
         op = as_reduce_op(op)
-        leaves, tree = self._leaves("reduce_scatter", x, op)
-        for leaf in leaves:
-            self._leading_axis("reduce_scatter", leaf)
-        comm = self._comm
-        return self._map(lambda a: _reductions.reduce_scatter(a, comm=comm, op=op), leaves, tree)
+        return self._apply(
+            "reduce_scatter", _reductions.reduce_scatter, x, leading_axis=True, op=op
+        )
 
     # -- data movement --------------------------------------------------------------
     def bcast(self, x: PyTree, root: int = 0) -> PyTree:
         """Root's x on every rank. Non-root ranks pass an array of the same shape."""
         root = self._rank("bcast", "root", root)
-        leaves, tree = self._leaves("bcast", x)
-        comm = self._comm
-        return self._map(lambda a: _collectives.bcast(a, comm=comm, root=root), leaves, tree)
+        return self._apply("bcast", _collectives.bcast, x, root=root)
 
     def gather(self, x: PyTree, root: int = 0) -> PyTree:
         """On root, (size, *x.shape) with rank i's x in row i; other ranks get x back."""
         root = self._rank("gather", "root", root)
-        leaves, tree = self._leaves("gather", x)
-        comm = self._comm
-        return self._map(lambda a: _collectives.gather(a, comm=comm, root=root), leaves, tree)
+        return self._apply("gather", _collectives.gather, x, root=root)
 
     def allgather(self, x: PyTree) -> PyTree:
         """(size, *x.shape) on every rank, with rank i's x in row i."""
-        leaves, tree = self._leaves("allgather", x)
-        comm = self._comm
-        return self._map(lambda a: _collectives.allgather(a, comm=comm), leaves, tree)
+        return self._apply("allgather", _collectives.allgather, x)
 
     def scatter(self, x: PyTree, root: int = 0) -> PyTree:
         """Root passes (size, *s); every rank gets its row, shape s.
@@ -227,20 +215,14 @@ class JaxComm:
         Non-root ranks pass an array of shape s (its values are not read).
         """
         root = self._rank("scatter", "root", root)
-        leaves, tree = self._leaves("scatter", x)
         if self.rank == root:
-            for leaf in leaves:
-                self._leading_axis("scatter", leaf, "x on the root rank")
-        comm = self._comm
-        return self._map(lambda a: _collectives.scatter(a, comm=comm, root=root), leaves, tree)
+            for leaf in jax.tree.leaves(x):
+                self._leading_axis("scatter", jnp.asarray(leaf), "x on the root rank")
+        return self._apply("scatter", _collectives.scatter, x, root=root)
 
     def alltoall(self, x: PyTree) -> PyTree:
         """x: (size, *s). Row i of the result is rank i's row `rank`."""
-        leaves, tree = self._leaves("alltoall", x)
-        for leaf in leaves:
-            self._leading_axis("alltoall", leaf)
-        comm = self._comm
-        return self._map(lambda a: _collectives.alltoall(a, comm=comm), leaves, tree)
+        return self._apply("alltoall", _collectives.alltoall, x, leading_axis=True)
 
     # -- point to point -----------------------------------------------------------------
     def send(self: Self, x: PyTree, dest: int, tag: int = 0) -> Self:
