@@ -37,5 +37,8 @@ def run(nprocs: int, args: list[str], timeout: float, env: dict[str, str] | None
             OMPI_MCA_mpi_yield_when_idle="1",
             OMPI_MCA_rmaps_base_oversubscribe="1",
         )
+    # `python -m` would put the working directory (the repository root, holding the
+    # uncompiled source tree) first on sys.path; import the installed jaxcomm.
+    full_env["PYTHONSAFEPATH"] = "1"
     command += [sys.executable, *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env)
