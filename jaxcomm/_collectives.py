@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from jax import core
 
-from jaxcomm._primitive import CommInfo, comm_primitive
-
-
-def _same(x, **_):
-    return [core.ShapedArray(x.shape, x.dtype)]
+from jaxcomm._primitive import CommInfo, comm_primitive, in_place, same_shape
 
 
 def _stacked(x, *, comm: CommInfo, **_):
@@ -16,22 +12,18 @@ def _stacked(x, *, comm: CommInfo, **_):
 
 
 def _gather_shape(x, *, comm: CommInfo, root: int):
-    return _stacked(x, comm=comm) if comm.rank == root else _same(x)
+    return _stacked(x, comm=comm) if comm.rank == root else same_shape(x)
 
 
 def _scatter_shape(x, *, comm: CommInfo, root: int):
     return [core.ShapedArray(x.shape[1:] if comm.rank == root else x.shape, x.dtype)]
 
 
-def _in_place(x, **_):
-    return {0: 0}
-
-
-bcast_p = comm_primitive("bcast", _same, attrs=("root",), aliases=_in_place)
+bcast_p = comm_primitive("bcast", same_shape, attrs=("root",), aliases=in_place)
 gather_p = comm_primitive("gather", _gather_shape, attrs=("root",))
 allgather_p = comm_primitive("allgather", _stacked)
 scatter_p = comm_primitive("scatter", _scatter_shape, attrs=("root",))
-alltoall_p = comm_primitive("alltoall", _same)
+alltoall_p = comm_primitive("alltoall", same_shape)
 
 
 def bcast(x, *, comm: CommInfo, root: int):

@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
+from jax import core
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
@@ -27,6 +28,16 @@ class CommInfo(NamedTuple):
 
 
 AbstractEval = Callable[..., Sequence[Any]]
+
+
+def same_shape(x, **_):
+    """Abstract eval of ops whose one result is shaped like their input."""
+    return [core.ShapedArray(x.shape, x.dtype)]
+
+
+def in_place(x, **_):
+    """Aliases of ops whose result may reuse their input's buffer."""
+    return {0: 0}
 
 
 def comm_primitive(

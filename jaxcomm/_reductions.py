@@ -8,25 +8,17 @@ from __future__ import annotations
 from jax import core
 
 from jaxcomm._ops import ReduceOp
-from jaxcomm._primitive import CommInfo, comm_primitive
-
-
-def _same(x, **_):
-    return [core.ShapedArray(x.shape, x.dtype)]
-
-
-def _in_place(x, **_):
-    return {0: 0}
+from jaxcomm._primitive import CommInfo, comm_primitive, in_place, same_shape
 
 
 def _row(x, **_):
     return [core.ShapedArray(x.shape[1:], x.dtype)]
 
 
-allreduce_p = comm_primitive("allreduce", _same, attrs=("op",), aliases=_in_place)
-reduce_p = comm_primitive("reduce", _same, attrs=("op", "root"), aliases=_in_place)
-scan_p = comm_primitive("scan", _same, attrs=("op",), aliases=_in_place)
-exscan_p = comm_primitive("exscan", _same, attrs=("op",), aliases=_in_place)
+allreduce_p = comm_primitive("allreduce", same_shape, attrs=("op",), aliases=in_place)
+reduce_p = comm_primitive("reduce", same_shape, attrs=("op", "root"), aliases=in_place)
+scan_p = comm_primitive("scan", same_shape, attrs=("op",), aliases=in_place)
+exscan_p = comm_primitive("exscan", same_shape, attrs=("op",), aliases=in_place)
 reduce_scatter_p = comm_primitive("reduce_scatter", _row, attrs=("op",))
 
 
