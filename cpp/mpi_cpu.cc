@@ -9,9 +9,13 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <atomic>
+#include <cmath>
 #include <complex>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "jaxcomm/jaxcomm.h"
 #include "xla/ffi/api/ffi.h"
@@ -27,6 +31,15 @@ using TokenOut = ffi::Result<ffi::Token>;
 using Buffer = ffi::AnyBuffer;
 using Result = ffi::Result<ffi::AnyBuffer>;
 using Status = ffi::Result<ffi::Buffer<ffi::DataType::S32, 1>>;
+
+// MPI calls made by handlers so far: lets tests check that a batched op is one call.
+std::atomic<uint64_t> calls{0};
+
+// Every handler starts here, before its MPI call.
+MPI_Comm enter(int64_t comm_handle) {
+  calls.fetch_add(1, std::memory_order_relaxed);
+  return comm_from_handle(comm_handle);
+}
 
 char* bytes(const Buffer& b) { return static_cast<char*>(b.untyped_data()); }
 char* bytes(Result& b) { return static_cast<char*>(b->untyped_data()); }
@@ -144,7 +157,7 @@ void normalize_logical(void* out, int64_t n, ffi::DataType dtype, int32_t op) {
 // Reductions
 
 ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t op) {
-  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Comm comm = enter(comm_handle);
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = reduction_of(x, op, "allreduce", &type, &mpi); err.failure()) return err;
@@ -158,7 +171,7 @@ ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle,
 }
 
 ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t op, int32_t root) {
-  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Comm comm = enter(comm_handle);
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = reduction_of(x, op, "reduce", &type, &mpi); err.failure()) return err;
@@ -180,7 +193,7 @@ ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, in
 template <bool kExclusive>
 ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t op) {
   constexpr std::string_view name = kExclusive ? "exscan" : "scan";
-  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Comm comm = enter(comm_handle);
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = reduction_of(x, op, name, &type, &mpi); err.failure()) return err;
@@ -200,7 +213,7 @@ ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int3
 }
 
 ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t op) {
-  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Comm comm = enter(comm_handle);
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = reduction_of(x, op, "reduce_scatter", &type, &mpi); err.failure()) return err;
@@ -233,7 +246,7 @@ ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_han
 // Data movement
 
 ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t root) {
-  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Comm comm = enter(comm_handle);
   MPI_Datatype type;
   if (auto err = datatype_of(x, "bcast", &type); err.failure()) return err;
   if (comm_rank(comm) == root) copy_if_distinct(out, x);
@@ -245,7 +258,7 @@ ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int
 }
 
 ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t root) {
-  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Comm comm = enter(comm_handle);
   MPI_Datatype type;
   if (auto err = datatype_of(x, "gather", &type); err.failure()) return err;
   Block block(x.element_count(), type);
@@ -263,7 +276,7 @@ ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, in
 }
 
 ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle) {
-  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Comm comm = enter(comm_handle);
   MPI_Datatype type;
   if (auto err = datatype_of(x, "allgather", &type); err.failure()) return err;
   Block block(x.element_count(), type);
@@ -274,7 +287,7 @@ ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle)
 }
 
 ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t root) {
-  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Comm comm = enter(comm_handle);
   MPI_Datatype type;
   if (auto err = datatype_of(x, "scatter", &type); err.failure()) return err;
   Block block(out->element_count(), type);
@@ -286,7 +299,7 @@ ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, i
 }
 
 ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle) {
-  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Comm comm = enter(comm_handle);
   MPI_Datatype type;
   if (auto err = datatype_of(x, "alltoall", &type); err.failure()) return err;
   int size;
@@ -308,7 +321,7 @@ void write_status(Status& status, const MPI_Status& s) {
 }
 
 ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_handle, int32_t dest, int32_t tag) {
-  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Comm comm = enter(comm_handle);
   MPI_Datatype type;
   if (auto err = datatype_of(x, "send", &type); err.failure()) return err;
   JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(), [&](int64_t offset, int n) {
@@ -318,27 +331,43 @@ ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_handle, int32_t dest, in
   return ffi::Error::Success();
 }
 
-ffi::Error Recv(Token, TokenOut, Result out, Status status, int64_t comm_handle, int32_t source, int32_t tag) {
-  MPI_Comm comm = comm_from_handle(comm_handle);
+// A message shorter than the buffer is an error, not a partly written result.
+ffi::Error check_count(const MPI_Status& s, MPI_Datatype type, int expected, std::string_view op) {
+  if (s.MPI_SOURCE == MPI_PROC_NULL) return ffi::Error::Success();
+  int count = 0;
+  MPI_Get_count(&s, type, &count);
+  if (count == expected) return ffi::Error::Success();
+  return invalid_argument(op, "received " + std::to_string(count) + " elements from rank " +
+                                  std::to_string(s.MPI_SOURCE) + " but the receive buffer holds " +
+                                  std::to_string(expected) +
+                                  " (the sender's array and the template differ in size)");
+}
+
+// `like` is the template: its shape and dtype are the result's; its data is unused.
+ffi::Error Recv(Token, Buffer /*like*/, TokenOut, Result out, Status status, int64_t comm_handle, int32_t source, int32_t tag) {
+  MPI_Comm comm = enter(comm_handle);
   MPI_Datatype type = mpi_datatype(out->element_type());
   if (type == MPI_DATATYPE_NULL) return invalid_argument("recv", "unsupported dtype");
   if (source == MPI_PROC_NULL) std::memset(out->untyped_data(), 0, out->size_bytes());
   const size_t width = ffi::ByteWidth(out->element_type());
   MPI_Status s{};
-  JAXCOMM_CHECK_MPI(for_each_piece(out->element_count(), [&](int64_t offset, int n) {
+  ffi::Error piece_error = ffi::Error::Success();
+  const int result = for_each_piece(out->element_count(), [&](int64_t offset, int n) {
                       int code = MPI_Recv(bytes(out) + offset * width, n, type, source, tag, comm, &s);
                       // Later pieces come from the sender of the first.
                       if (offset == 0 && source != MPI_PROC_NULL) { source = s.MPI_SOURCE; tag = s.MPI_TAG; }
-                      return code;
-                    }),
-                    "recv", comm);
+                      if (code == MPI_SUCCESS) piece_error = check_count(s, type, n, "recv");
+                      return piece_error.failure() ? MPI_ERR_OTHER : code;
+                    });
+  if (piece_error.failure()) return piece_error;
+  JAXCOMM_CHECK_MPI(result, "recv", comm);
   write_status(status, s);
   return ffi::Error::Success();
 }
 
 ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm_handle, int32_t source,
                     int32_t dest, int32_t sendtag, int32_t recvtag) {
-  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Comm comm = enter(comm_handle);
   MPI_Datatype send_type, recv_type = mpi_datatype(out->element_type());
   if (auto err = datatype_of(x, "sendrecv", &send_type); err.failure()) return err;
   if (recv_type == MPI_DATATYPE_NULL) return invalid_argument("sendrecv", "unsupported dtype");
@@ -359,10 +388,10 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
   const int64_t send_count = x.element_count(), recv_count = out->element_count();
   const int64_t pieces_of = std::max(send_count, recv_count);
   MPI_Status s{};
+  ffi::Error piece_error = ffi::Error::Success();
   // Both sides split at the same element offsets, so pieces pair up across ranks
   // even when send and receive counts differ.
-  JAXCOMM_CHECK_MPI(
-      for_each_piece(pieces_of, [&](int64_t offset, int n) {
+  const int result = for_each_piece(pieces_of, [&](int64_t offset, int n) {
         int sn = static_cast<int>(std::clamp<int64_t>(send_count - offset, 0, n));
         int rn = static_cast<int>(std::clamp<int64_t>(recv_count - offset, 0, n));
         int code = in_place ? MPI_Sendrecv_replace(bytes(out) + offset * recv_width, rn, recv_type,
@@ -371,15 +400,84 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
                                            bytes(out) + offset * recv_width, rn, recv_type, source,
                                            recvtag, comm, &s);
         if (offset == 0 && source != MPI_PROC_NULL) { source = s.MPI_SOURCE; recvtag = s.MPI_TAG; }
-        return code;
-      }),
-      "sendrecv", comm);
+        if (code == MPI_SUCCESS) piece_error = check_count(s, recv_type, rn, "sendrecv");
+        return piece_error.failure() ? MPI_ERR_OTHER : code;
+      });
+  if (piece_error.failure()) return piece_error;
+  JAXCOMM_CHECK_MPI(result, "sendrecv", comm);
   write_status(status, s);
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------
+// Checking mode: is x identical on every rank? Used where the gradient convention
+// assumes a replicated cotangent.
+
+// Component i of x as a double (complex numbers have two components per element).
+double component(ffi::DataType dtype, const char* p, int64_t i) {
+  switch (dtype) {
+    case ffi::DataType::PRED: return static_cast<double>(reinterpret_cast<const bool*>(p)[i]);
+    case ffi::DataType::S8: return reinterpret_cast<const int8_t*>(p)[i];
+    case ffi::DataType::S16: return reinterpret_cast<const int16_t*>(p)[i];
+    case ffi::DataType::S32: return reinterpret_cast<const int32_t*>(p)[i];
+    case ffi::DataType::S64: return static_cast<double>(reinterpret_cast<const int64_t*>(p)[i]);
+    case ffi::DataType::U8: return reinterpret_cast<const uint8_t*>(p)[i];
+    case ffi::DataType::U16: return reinterpret_cast<const uint16_t*>(p)[i];
+    case ffi::DataType::U32: return reinterpret_cast<const uint32_t*>(p)[i];
+    case ffi::DataType::U64: return static_cast<double>(reinterpret_cast<const uint64_t*>(p)[i]);
+    case ffi::DataType::F16: return half::f16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
+    case ffi::DataType::BF16: return half::bf16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
+    case ffi::DataType::F32: case ffi::DataType::C64: return reinterpret_cast<const float*>(p)[i];
+    case ffi::DataType::F64: case ffi::DataType::C128: return reinterpret_cast<const double*>(p)[i];
+    default: return 0.0;
+  }
+}
+
+ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm_handle,
+                           std::string_view operation) {
+  MPI_Comm comm = enter(comm_handle);
+  copy_if_distinct(out, x);
+  const bool complex =
+      x.element_type() == ffi::DataType::C64 || x.element_type() == ffi::DataType::C128;
+  const int64_t n = x.element_count() * (complex ? 2 : 1);
+  std::vector<char> first(x.size_bytes());
+  std::memcpy(first.data(), bytes(x), first.size());
+  JAXCOMM_CHECK_MPI(for_each_piece(static_cast<int64_t>(first.size()),
+                                   [&](int64_t offset, int piece) {
+                                     return MPI_Bcast(first.data() + offset, piece, MPI_BYTE, 0,
+                                                      comm);
+                                   }),
+                    "check", comm);
+  struct {
+    double difference;
+    int rank;
+  } local{0.0, comm_rank(comm)}, worst{};
+  int64_t where = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    const double a = component(x.element_type(), bytes(x), i);
+    const double b = component(x.element_type(), first.data(), i);
+    if (a == b || (std::isnan(a) && std::isnan(b))) continue;
+    const double d = std::isnan(a - b) ? INFINITY : std::fabs(a - b);
+    if (where < 0 || d > local.difference) { local.difference = d; where = i; }
+  }
+  if (where >= 0 && local.difference == 0.0) local.difference = INFINITY;
+  JAXCOMM_CHECK_MPI(MPI_Allreduce(&local, &worst, 1, MPI_DOUBLE_INT, MPI_MAXLOC, comm), "check",
+                    comm);
+  if (worst.difference == 0.0) return ffi::Error::Success();
+  std::string message = "jaxcomm check: the cotangent reaching the transpose of " +
+                        std::string(operation) +
+                        " is not identical on every rank (largest difference from rank 0: " +
+                        std::to_string(worst.difference) + ", on rank " +
+                        std::to_string(worst.rank);
+  if (where >= 0 && worst.rank == local.rank)
+    message += ", at flat index " + std::to_string(complex ? where / 2 : where);
+  message += "). Its result is treated as one replicated value; mark a replicated value that "
+             "feeds rank-dependent code with comm.pvary(x).";
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, message);
+}
+
 ffi::Error Barrier(Token, TokenOut, int64_t comm_handle) {
-  MPI_Comm comm = comm_from_handle(comm_handle);
+  MPI_Comm comm = enter(comm_handle);
   JAXCOMM_CHECK_MPI(MPI_Barrier(comm), "barrier", comm);
   return ffi::Error::Success();
 }
@@ -410,7 +508,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_send, Send,
                               ffi::Ffi::Bind().Arg<Token>().Arg<Buffer>().Ret<Token>()
                                   .Attr<int64_t>("comm").Attr<int32_t>("dest").Attr<int32_t>("tag"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_recv, Recv,
-                              ffi::Ffi::Bind().Arg<Token>().Ret<Token>().Ret<Buffer>().Ret<StatusBuffer>()
+                              ffi::Ffi::Bind().Arg<Token>().Arg<Buffer>().Ret<Token>().Ret<Buffer>().Ret<StatusBuffer>()
                                   .Attr<int64_t>("comm").Attr<int32_t>("source").Attr<int32_t>("tag"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_sendrecv, Sendrecv,
                               ffi::Ffi::Bind().Arg<Token>().Arg<Buffer>().Ret<Token>().Ret<Buffer>()
@@ -420,9 +518,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_sendrecv, Sendrecv,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_barrier, Barrier,
                               ffi::Ffi::Bind().Arg<Token>().Ret<Token>().Attr<int64_t>("comm"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_check_replicated, CheckReplicated,
+                              unary().Attr<std::string_view>("operation"));
+
 #define JAXCOMM_TARGETS(X)                                                                  \
   X(allreduce) X(reduce) X(scan) X(exscan) X(reduce_scatter) X(bcast) X(gather) X(allgather) \
-  X(scatter) X(alltoall) X(send) X(recv) X(sendrecv) X(barrier)
+  X(scatter) X(alltoall) X(send) X(recv) X(sendrecv) X(barrier) X(check_replicated)
 
 }  // namespace jaxcomm
 
@@ -457,5 +558,7 @@ NB_MODULE(_jaxcomm_cpu, m) {
         "MPI_Get_library_version of the libmpi this module is linked to.");
   m.def("mpi_initialized", &initialized,
         "MPI_Initialized as seen by the libmpi this module is linked to.");
+  m.def("call_count", [] { return jaxcomm::calls.load(); },
+        "How many times a handler has called into MPI in this process.");
   m.attr("MPI_VERSION") = MPI_VERSION;
 }

@@ -1,10 +1,27 @@
-"""Data-movement collectives: bcast, gather, allgather, scatter, alltoall."""
+"""Data-movement collectives: bcast, gather, allgather, scatter, alltoall.
+
+bcast and allgather give every rank the same result: one replicated value, whose
+cotangent is expected to be replicated (checked in checking mode). gather,
+scatter and alltoall have rank-dependent results and exact adjoints.
+"""
 
 from __future__ import annotations
 
 from jax import core
 
-from jaxcomm._primitive import CommInfo, comm_primitive, in_place, same_shape
+from jaxcomm._primitive import (
+    CommInfo,
+    batch_elementwise,
+    comm_primitive,
+    define_rules,
+    in_place,
+    instantiate,
+    linear_jvp,
+    move_batch,
+    on_rank,
+    same_shape,
+)
+from jaxcomm._reductions import pvary, replicated_cotangent
 
 
 def _stacked(x, *, comm: CommInfo, **_):
@@ -49,3 +66,66 @@ def scatter(x, *, comm: CommInfo, root: int):
 def alltoall(x, *, comm: CommInfo):
     """Row i of the result is rank i's row `rank`. x: (size, *s), result (size, *s)."""
     return alltoall_p.bind(x, comm=comm)[0]
+
+
+# -- transposes ------------------------------------------------------------------------
+
+
+def _bcast_transpose(cts, x, *, comm, root):
+    ct = replicated_cotangent(instantiate(cts[0]), comm=comm, operation="bcast")
+    return [on_rank(comm.rank == root, pvary(ct, comm=comm))]
+
+
+def _gather_transpose(cts, x, *, comm, root):
+    ct = instantiate(cts[0])
+    rows = scatter(ct, comm=comm, root=root)
+    return [rows if comm.rank == root else rows + ct]
+
+
+def _allgather_transpose(cts, x, *, comm):
+    ct = instantiate(cts[0])
+    ct = replicated_cotangent(ct, comm=comm, operation="allgather")
+    return [pvary(ct, comm=comm)[comm.rank]]
+
+
+def _scatter_transpose(cts, x, *, comm, root):
+    stacked = gather(instantiate(cts[0]), comm=comm, root=root)
+    return [on_rank(comm.rank == root, stacked)]
+
+
+def _alltoall_transpose(cts, x, *, comm):
+    return [alltoall(instantiate(cts[0]), comm=comm)]
+
+
+# -- batching: a rank axis stays leading so each rank's rows are contiguous -------------
+
+
+def _gather_batch(args, dims, *, comm, root):
+    (x,), (dim,) = args, dims
+    return gather_p.bind(x, comm=comm, root=root), [dim + 1 if comm.rank == root else dim]
+
+
+def _allgather_batch(args, dims, *, comm):
+    (x,), (dim,) = args, dims
+    return allgather_p.bind(x, comm=comm), [dim + 1]
+
+
+def _scatter_batch(args, dims, *, comm, root):
+    (x,), (dim,) = args, dims
+    x = move_batch(x, dim, 1 if comm.rank == root else 0)
+    return scatter_p.bind(x, comm=comm, root=root), [0]
+
+
+def _alltoall_batch(args, dims, *, comm):
+    (x,), (dim,) = args, dims
+    return alltoall_p.bind(move_batch(x, dim, 1), comm=comm), [1]
+
+
+for _primitive, _transpose, _batch in [
+    (bcast_p, _bcast_transpose, batch_elementwise(bcast_p)),
+    (gather_p, _gather_transpose, _gather_batch),
+    (allgather_p, _allgather_transpose, _allgather_batch),
+    (scatter_p, _scatter_transpose, _scatter_batch),
+    (alltoall_p, _alltoall_transpose, _alltoall_batch),
+]:
+    define_rules(_primitive, jvp=linear_jvp(_primitive), transpose=_transpose, batch=_batch)

@@ -17,7 +17,7 @@ import jax
 from jax._src import core, dispatch, effects
 from jax._src.interpreters import mlir
 
-__all__ = ["COMM_EFFECT", "apply_primitive", "lower_with_token"]
+__all__ = ["COMM_EFFECT", "apply_primitive", "lower_identity", "lower_with_token"]
 
 
 class CommEffect(effects.Effect):
@@ -78,3 +78,9 @@ def lower_with_token(
         return results
 
     return lowering
+
+
+def lower_identity(ctx: mlir.LoweringRuleContext, *operands: Any, **_: Any) -> Sequence[Any]:
+    """Lowering of an effectful op that only passes its operands (and the token) on."""
+    ctx.set_tokens_out(mlir.TokenSet({COMM_EFFECT: ctx.tokens_in.get(COMM_EFFECT)}))
+    return list(operands)

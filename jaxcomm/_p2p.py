@@ -2,19 +2,38 @@
 
 recv and sendrecv also return a status array int32[2] = (source, tag) of the
 received message, so ANY_SOURCE/ANY_TAG callers can learn them inside jit.
+
+Adjoints: send transposes to a receive from dest, recv to a send to source,
+sendrecv to the reversed exchange. Transposed messages are received with
+ANY_TAG and matched in order (MPI never reorders messages between two ranks on
+one communicator), so they need no tag bookkeeping across ranks.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from jax import core
+from mpi4py import MPI
 
-from jaxcomm._primitive import CommInfo, comm_primitive
+from jaxcomm._primitive import (
+    CommInfo,
+    comm_primitive,
+    define_rules,
+    differentiable,
+    in_place,
+    instantiate,
+    move_batch,
+    zero_tangent,
+)
 
 _STATUS = core.ShapedArray((2,), np.int32)
 
 
-def _recv_shape(*_, shape, dtype, **__):
+def _recv_shape(like, **_):
+    return [core.ShapedArray(like.shape, like.dtype), _STATUS]
+
+
+def _sendrecv_shape(x, *, shape, dtype, **_):
     return [core.ShapedArray(shape, dtype), _STATUS]
 
 
@@ -23,10 +42,12 @@ def _sendrecv_aliases(x, *, shape, dtype, **_):
 
 
 send_p = comm_primitive("send", lambda *_, **__: [], attrs=("dest", "tag"))
-recv_p = comm_primitive("recv", _recv_shape, attrs=("source", "tag"))
+# recv's operand is its template: only its shape and dtype are used (and its
+# buffer, when XLA can reuse it). Being an operand lets a tangent reach recv.
+recv_p = comm_primitive("recv", _recv_shape, attrs=("source", "tag"), aliases=in_place)
 sendrecv_p = comm_primitive(
     "sendrecv",
-    _recv_shape,
+    _sendrecv_shape,
     attrs=("source", "dest", "sendtag", "recvtag"),
     aliases=_sendrecv_aliases,
 )
@@ -37,9 +58,9 @@ def send(x, *, comm: CommInfo, dest: int, tag: int) -> None:
     send_p.bind(x, comm=comm, dest=dest, tag=tag)
 
 
-def recv(*, comm: CommInfo, shape, dtype, source: int, tag: int):
-    """Receive an array of `shape`/`dtype`. Returns (array, status)."""
-    out, status = recv_p.bind(comm=comm, shape=shape, dtype=dtype, source=source, tag=tag)
+def recv(like, *, comm: CommInfo, source: int, tag: int):
+    """Receive an array shaped like `like`. Returns (array, status)."""
+    out, status = recv_p.bind(like, comm=comm, source=source, tag=tag)
     return out, status
 
 
@@ -50,8 +71,8 @@ def sendrecv(
     out, status = sendrecv_p.bind(
         x,
         comm=comm,
-        shape=shape,
-        dtype=dtype,
+        shape=tuple(shape),
+        dtype=np.dtype(dtype),
         source=source,
         dest=dest,
         sendtag=sendtag,
@@ -62,3 +83,96 @@ def sendrecv(
 
 def barrier(*, comm: CommInfo) -> None:
     barrier_p.bind(comm=comm)
+
+
+# -- AD --------------------------------------------------------------------------------
+
+
+def _known_source(operation: str, source: int) -> None:
+    if source == MPI.ANY_SOURCE:
+        raise ValueError(
+            f"{operation}: differentiating a receive needs an explicit source, not "
+            "MPI.ANY_SOURCE (the tangent or cotangent must come from, or go back to, "
+            "the rank that sent the data)"
+        )
+
+
+def _reply_tag(tag: int) -> int:
+    return 0 if tag == MPI.ANY_TAG else tag
+
+
+def _send_jvp(primals, tangents, **params):
+    send_p.bind(*primals, **params)
+    if differentiable(primals[0]):
+        send_p.bind(instantiate(tangents[0]), **params)
+    return [], []
+
+
+def _send_transpose(cts, x, *, comm, dest, tag):
+    like = np.zeros(x.aval.shape, x.aval.dtype)
+    ct, _ = recv(like, comm=comm, source=dest, tag=MPI.ANY_TAG)
+    return [ct]
+
+
+def _recv_jvp(primals, tangents, *, comm, source, tag):
+    out, status = recv_p.bind(*primals, comm=comm, source=source, tag=tag)
+    if not differentiable(out):
+        return [out, status], [zero_tangent(out), zero_tangent(status)]
+    _known_source("recv", source)
+    dot, _ = recv_p.bind(instantiate(tangents[0]), comm=comm, source=source, tag=tag)
+    return [out, status], [dot, zero_tangent(status)]
+
+
+def _recv_transpose(cts, like, *, comm, source, tag):
+    _known_source("recv", source)
+    send(instantiate(cts[0]), comm=comm, dest=source, tag=_reply_tag(tag))
+    return [None]
+
+
+def _sendrecv_jvp(primals, tangents, **params):
+    out, status = sendrecv_p.bind(*primals, **params)
+    if not (differentiable(primals[0]) and differentiable(out)):
+        return [out, status], [zero_tangent(out), zero_tangent(status)]
+    _known_source("sendrecv", params["source"])
+    dot, _ = sendrecv_p.bind(instantiate(tangents[0]), **params)
+    return [out, status], [dot, zero_tangent(status)]
+
+
+def _sendrecv_transpose(cts, x, *, comm, shape, dtype, source, dest, sendtag, recvtag):
+    _known_source("sendrecv", source)
+    ct, _ = sendrecv(
+        instantiate(cts[0]),
+        comm=comm,
+        shape=x.aval.shape,
+        dtype=x.aval.dtype,
+        source=dest,
+        dest=source,
+        sendtag=_reply_tag(recvtag),
+        recvtag=MPI.ANY_TAG,
+    )
+    return [ct]
+
+
+# -- batching: the batch axis leads, so both sides of a message agree on its layout -----
+
+
+def _send_batch(args, dims, **params):
+    send_p.bind(move_batch(args[0], dims[0], 0), **params)
+    return [], []
+
+
+def _recv_batch(args, dims, **params):
+    out, status = recv_p.bind(move_batch(args[0], dims[0], 0), **params)
+    return [out, status], [0, None]
+
+
+def _sendrecv_batch(args, dims, *, shape, **params):
+    (x,), (dim,) = args, dims
+    x = move_batch(x, dim, 0)
+    out, status = sendrecv_p.bind(x, shape=(x.shape[0], *shape), **params)
+    return [out, status], [0, None]
+
+
+define_rules(send_p, jvp=_send_jvp, transpose=_send_transpose, batch=_send_batch)
+define_rules(recv_p, jvp=_recv_jvp, transpose=_recv_transpose, batch=_recv_batch)
+define_rules(sendrecv_p, jvp=_sendrecv_jvp, transpose=_sendrecv_transpose, batch=_sendrecv_batch)

@@ -1,8 +1,13 @@
-"""How a jaxcomm operation becomes a JAX primitive.
+"""How a jaxcomm operation becomes a JAX primitive, and the helpers its rules share.
 
 Every operation is a multiple-results primitive carrying COMM_EFFECT, lowered to
 the FFI target ``jaxcomm_<name>`` with the effect token threaded through it, and
-evaluated eagerly by compiling the single primitive (cached per signature).
+evaluated eagerly by compiling the single primitive (cached per signature). The
+op families (_reductions, _collectives, _p2p) attach JVP, transpose and batching
+rules with `define_rules`.
+
+AD rules must make the same MPI calls on every rank: a transpose rule is called
+even when its cotangent is a symbolic zero, and it always communicates.
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
-from jax import core
+from jax import core, lax
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import ad, batching, mlir
 
 from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
 
@@ -25,6 +32,7 @@ class CommInfo(NamedTuple):
     handle: int  # mpi4py's integer handle of the MPI_Comm
     rank: int
     size: int
+    check: bool = False  # checking mode: verify cross-rank assumptions at run time
 
 
 AbstractEval = Callable[..., Sequence[Any]]
@@ -50,8 +58,9 @@ def comm_primitive(
     """Define the primitive for operation `name`.
 
     abstract_eval(*avals, comm, **params) returns the output avals. `attrs` names
-    the int params passed to the FFI handler (besides the communicator).
-    `aliases(*avals, **params)` says which outputs may reuse which inputs.
+    the params passed to the FFI handler besides the communicator (ints as int32,
+    strings as string attributes). `aliases(*avals, **params)` says which outputs
+    may reuse which inputs.
     """
     primitive = Primitive(f"jaxcomm_{name}")
     primitive.multiple_results = True
@@ -63,9 +72,81 @@ def comm_primitive(
     def lowering(ctx: mlir.LoweringRuleContext, *operands: Any, comm: CommInfo, **params: Any):
         alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases else None
         rule = lower_with_token(f"jaxcomm_{name}", aliases=alias)
-        ffi_attrs = {"comm": np.int64(comm.handle)}
-        ffi_attrs.update((key, np.int32(params[key])) for key in attrs)
+        ffi_attrs: dict[str, Any] = {"comm": np.int64(comm.handle)}
+        for key in attrs:
+            value = params[key]
+            ffi_attrs[key] = value if isinstance(value, str) else np.int32(value)
         return rule(ctx, *operands, **ffi_attrs)
 
     mlir.register_lowering(primitive, lowering, platform="cpu")
     return primitive
+
+
+def define_rules(
+    primitive: Primitive,
+    *,
+    jvp: Callable[..., tuple[list, list]] | None = None,
+    transpose: Callable[..., list] | None = None,
+    batch: Callable[..., tuple[list, list]] | None = None,
+) -> None:
+    """Attach AD and vmap rules to `primitive` (the names follow jax.interpreters)."""
+    if jvp is not None:
+        ad.primitive_jvps[primitive] = jvp
+    if transpose is not None:
+        ad.primitive_transposes[primitive] = transpose
+    if batch is not None:
+        batching.primitive_batchers[primitive] = batch
+
+
+# -- AD helpers ---------------------------------------------------------------------
+
+
+def differentiable(x: Any) -> bool:
+    return jnp.issubdtype(jax.typeof(x).dtype, jnp.inexact)
+
+
+def zero_tangent(y: Any) -> ad.Zero:
+    return ad.Zero(jax.typeof(y).to_tangent_aval())
+
+
+def instantiate(t: Any) -> jax.Array:
+    """A tangent or cotangent as an array: symbolic zeros become real zeros."""
+    return ad.instantiate_zeros(t)
+
+
+def on_rank(keep: bool, x: jax.Array) -> jax.Array:
+    """x where `keep`, else zeros; x stays an operand either way, so transposing
+    this still sends a cotangent into whatever produced x (keeping ranks in step)."""
+    return lax.select(jnp.full(x.shape, keep), x, jnp.zeros_like(x))
+
+
+def linear_jvp(primitive: Primitive) -> Callable[..., tuple[list, list]]:
+    """JVP of an op that is linear in every operand: the op applied to the tangents."""
+
+    def jvp(primals, tangents, **params):
+        outs = primitive.bind(*primals, **params)
+        if not all(differentiable(x) for x in primals):
+            return outs, [zero_tangent(y) for y in outs]
+        dots = primitive.bind(*map(instantiate, tangents), **params)
+        return outs, [
+            d if differentiable(y) else zero_tangent(y) for y, d in zip(outs, dots, strict=False)
+        ]
+
+    return jvp
+
+
+# -- batching helpers ------------------------------------------------------------------
+
+
+def batch_elementwise(primitive: Primitive) -> Callable[..., tuple[list, list]]:
+    """vmap of an op on one array whose layout across ranks does not matter."""
+
+    def rule(args, dims, **params):
+        outs = primitive.bind(*args, **params)
+        return outs, [dims[0]] * len(outs)
+
+    return rule
+
+
+def move_batch(x: jax.Array, dim: int | None, to: int) -> jax.Array:
+    return x if dim is None else jnp.moveaxis(x, dim, to)

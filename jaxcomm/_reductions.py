@@ -1,14 +1,38 @@
-"""Reductions: allreduce, reduce, scan, exscan, reduce_scatter.
+"""Reductions: allreduce, reduce, scan, exscan, reduce_scatter; and pvary, the
+marker that turns a replicated value into a rank-dependent one.
 
 Each function takes one array and static arguments, checked by the JaxComm layer.
+
+Gradient convention (see docs/autodiff): allreduce's result is one replicated
+value, so its transpose passes the (replicated) cotangent through unchanged via
+pvary, and pvary's transpose is an allreduce. The other reductions have results
+that differ between ranks and use their exact adjoints.
 """
 
 from __future__ import annotations
 
-from jax import core
+from functools import partial
 
+import jax.numpy as jnp
+from jax import core
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_identity
 from jaxcomm._ops import ReduceOp
-from jaxcomm._primitive import CommInfo, comm_primitive, in_place, same_shape
+from jaxcomm._primitive import (
+    CommInfo,
+    batch_elementwise,
+    comm_primitive,
+    define_rules,
+    differentiable,
+    in_place,
+    instantiate,
+    linear_jvp,
+    move_batch,
+    same_shape,
+    zero_tangent,
+)
 
 
 def _row(x, **_):
@@ -20,6 +44,17 @@ reduce_p = comm_primitive("reduce", same_shape, attrs=("op", "root"), aliases=in
 scan_p = comm_primitive("scan", same_shape, attrs=("op",), aliases=in_place)
 exscan_p = comm_primitive("exscan", same_shape, attrs=("op",), aliases=in_place)
 reduce_scatter_p = comm_primitive("reduce_scatter", _row, attrs=("op",))
+check_replicated_p = comm_primitive(
+    "check_replicated", same_shape, attrs=("operation",), aliases=in_place
+)
+
+# Identity on the data; it exists for its transpose. It carries the effect so that
+# it is never dropped: its transpose is a collective every rank must join.
+pvary_p = Primitive("jaxcomm_pvary")
+pvary_p.multiple_results = True
+pvary_p.def_impl(partial(apply_primitive, pvary_p))
+pvary_p.def_effectful_abstract_eval(lambda x, **_: ([x], {COMM_EFFECT}))
+mlir.register_lowering(pvary_p, lower_identity)
 
 
 def allreduce(x, *, comm: CommInfo, op: ReduceOp):
@@ -45,3 +80,198 @@ def exscan(x, *, comm: CommInfo, op: ReduceOp):
 def reduce_scatter(x, *, comm: CommInfo, op: ReduceOp):
     """Row `rank` of the reduction of x (shape (size, *s)) over ranks. Shape: s."""
     return reduce_scatter_p.bind(x, comm=comm, op=op)[0]
+
+
+def pvary(x, *, comm: CommInfo):
+    """x unchanged; its cotangent is summed over ranks (the dual of allreduce)."""
+    return pvary_p.bind(x, comm=comm)[0]
+
+
+def replicated_cotangent(ct, *, comm: CommInfo, operation: str):
+    """The cotangent of a replicated result, as an array; in checking mode, first
+    verify that it is identical on every rank."""
+    if comm.check:
+        return check_replicated_p.bind(ct, comm=comm, operation=operation)[0]
+    return ct
+
+
+# -- JVPs of the nonlinear reductions -------------------------------------------------
+# The tangent of MAX/MIN flows from the rank(s) holding the extremum, split evenly
+# between ties; the tangent of PROD from the product of the other ranks' values.
+
+
+def _product_of_others(rows, index):
+    """prod(rows without row i) for every i, as an array shaped like rows."""
+    ones = jnp.ones_like(rows[:1])
+    before = jnp.cumprod(jnp.concatenate([ones, rows[:-1]]), axis=0)
+    after = jnp.flip(jnp.cumprod(jnp.concatenate([ones, jnp.flip(rows, 0)[:-1]]), axis=0), 0)
+    return (before * after)[index]
+
+
+def _gathered(x, comm):
+    """Every rank's x, for rank-dependent use (hence pvary: for second derivatives)."""
+    from jaxcomm._collectives import allgather
+
+    return pvary(allgather(x, comm=comm), comm=comm)
+
+
+def _allreduce_tangent(x, y, t, *, comm, op):
+    if op == ReduceOp.SUM:
+        return allreduce(t, comm=comm, op=op)
+    if op in (ReduceOp.MAX, ReduceOp.MIN):
+        hit = x == y
+        ties = allreduce(hit.astype(t.dtype), comm=comm, op=ReduceOp.SUM)
+        return allreduce(jnp.where(hit, t, 0), comm=comm, op=ReduceOp.SUM) / ties
+    others = _product_of_others(_gathered(x, comm), comm.rank)
+    return allreduce(others * t, comm=comm, op=ReduceOp.SUM)
+
+
+def _on_root(comm, root, value, passed_through):
+    # Both stay operands on every rank, so that cotangents (and vmap batch axes)
+    # reach the same collectives on every rank.
+    return jnp.where(comm.rank == root, value, passed_through)
+
+
+def _reduce_tangent(x, y, t, *, comm, op, root):
+    from jaxcomm._collectives import bcast
+
+    if op == ReduceOp.SUM:
+        return reduce(t, comm=comm, op=op, root=root)
+    if op in (ReduceOp.MAX, ReduceOp.MIN):
+        hit = x == bcast(y, comm=comm, root=root)
+        ties = reduce(hit.astype(t.dtype), comm=comm, op=ReduceOp.SUM, root=root)
+        hits = reduce(jnp.where(hit, t, 0), comm=comm, op=ReduceOp.SUM, root=root)
+        return _on_root(comm, root, hits / ties, t)
+    others = _product_of_others(_gathered(x, comm), comm.rank)
+    total = reduce(others * t, comm=comm, op=ReduceOp.SUM, root=root)
+    return _on_root(comm, root, total, t)
+
+
+def _prefix_tangent(x, y, t, *, comm, op, inclusive):
+    if op == ReduceOp.SUM:
+        return (scan if inclusive else exscan)(t, comm=comm, op=op)
+    # Rank r's result depends on the values of ranks 0..r (or 0..r-1): gather them.
+    stop = comm.rank + 1 if inclusive else comm.rank
+    xs = _gathered(x, comm)[:stop]
+    ts = _gathered(t, comm)[:stop]
+    if stop == 0:  # exscan on rank 0: a constant (zeros that still depend on ts)
+        return ts.sum(0)
+    if op in (ReduceOp.MAX, ReduceOp.MIN):
+        hit = xs == y
+        return jnp.where(hit, ts, 0).sum(0) / hit.sum(0).astype(t.dtype)
+    return (_product_of_others(xs, slice(None)) * ts).sum(0)
+
+
+def _reduce_scatter_tangent(x, y, t, *, comm, op):
+    if op == ReduceOp.SUM:
+        return reduce_scatter(t, comm=comm, op=op)
+    # Row `rank` of the allreduce; pvary because each rank keeps a different row.
+    whole = _allreduce_tangent(x, allreduce(x, comm=comm, op=op), t, comm=comm, op=op)
+    return pvary(whole, comm=comm)[comm.rank]
+
+
+def _reduction_jvp(primitive, tangent):
+    def jvp(primals, tangents, *, comm, op, **params):
+        (x,), (t,) = primals, tangents
+        (y,) = primitive.bind(x, comm=comm, op=op, **params)
+        if not differentiable(x) or op not in _DIFFERENTIABLE:
+            return [y], [zero_tangent(y)]
+        return [y], [tangent(x, y, instantiate(t), comm=comm, op=op, **params)]
+
+    return jvp
+
+
+_DIFFERENTIABLE = (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN)
+
+
+# -- transposes (linear only for SUM) --------------------------------------------------
+
+
+def _linear_only(name, transpose):
+    def rule(cts, x, *, comm, op, **params):
+        if op != ReduceOp.SUM:
+            raise NotImplementedError(f"{name}: op={op.name} is not linear; only SUM transposes")
+        return [transpose(instantiate(cts[0]), comm=comm, **params)]
+
+    return rule
+
+
+def _allreduce_transpose(ct, *, comm):
+    return pvary(replicated_cotangent(ct, comm=comm, operation="allreduce"), comm=comm)
+
+
+def _reduce_transpose(ct, *, comm, root):
+    from jaxcomm._collectives import bcast
+
+    from_root = pvary(bcast(ct, comm=comm, root=root), comm=comm)
+    return from_root if comm.rank == root else from_root + ct
+
+
+def _scan_transpose(ct, *, comm):
+    total = pvary(allreduce(ct, comm=comm, op=ReduceOp.SUM), comm=comm)
+    return total - exscan(ct, comm=comm, op=ReduceOp.SUM)
+
+
+def _exscan_transpose(ct, *, comm):
+    total = pvary(allreduce(ct, comm=comm, op=ReduceOp.SUM), comm=comm)
+    return total - scan(ct, comm=comm, op=ReduceOp.SUM)
+
+
+def _reduce_scatter_transpose(ct, *, comm):
+    from jaxcomm._collectives import allgather
+
+    return pvary(allgather(ct, comm=comm), comm=comm)
+
+
+def _reduce_scatter_batch(args, dims, *, comm, op):
+    # The rank axis must stay leading, so each rank's rows are contiguous.
+    (x,), (dim,) = args, dims
+    return reduce_scatter_p.bind(move_batch(x, dim, 1), comm=comm, op=op), [0]
+
+
+define_rules(
+    allreduce_p,
+    jvp=_reduction_jvp(allreduce_p, _allreduce_tangent),
+    transpose=_linear_only("allreduce", _allreduce_transpose),
+    batch=batch_elementwise(allreduce_p),
+)
+define_rules(
+    reduce_p,
+    jvp=_reduction_jvp(reduce_p, _reduce_tangent),
+    transpose=_linear_only("reduce", _reduce_transpose),
+    batch=batch_elementwise(reduce_p),
+)
+define_rules(
+    scan_p,
+    jvp=_reduction_jvp(scan_p, partial(_prefix_tangent, inclusive=True)),
+    transpose=_linear_only("scan", _scan_transpose),
+    batch=batch_elementwise(scan_p),
+)
+define_rules(
+    exscan_p,
+    jvp=_reduction_jvp(exscan_p, partial(_prefix_tangent, inclusive=False)),
+    transpose=_linear_only("exscan", _exscan_transpose),
+    batch=batch_elementwise(exscan_p),
+)
+define_rules(
+    reduce_scatter_p,
+    jvp=_reduction_jvp(reduce_scatter_p, _reduce_scatter_tangent),
+    transpose=_linear_only("reduce_scatter", _reduce_scatter_transpose),
+    batch=_reduce_scatter_batch,
+)
+define_rules(
+    pvary_p,
+    jvp=linear_jvp(pvary_p),
+    transpose=lambda cts, x, *, comm: [allreduce(instantiate(cts[0]), comm=comm, op=ReduceOp.SUM)],
+    batch=batch_elementwise(pvary_p),
+)
+define_rules(
+    check_replicated_p,
+    # An identity on values: tangents and cotangents pass through unchecked.
+    jvp=lambda primals, tangents, **params: (
+        check_replicated_p.bind(*primals, **params),
+        list(tangents),
+    ),
+    transpose=lambda cts, x, **_: [cts[0]],
+    batch=batch_elementwise(check_replicated_p),
+)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple, TypeVar
 
 import jax
@@ -35,6 +36,10 @@ def _static_int(operation: str, name: str, value: Any) -> int:
     return int(value)
 
 
+def _check_from_environment() -> bool:
+    return os.environ.get("JAXCOMM_CHECK", "0").strip().lower() not in ("", "0", "false", "no")
+
+
 def _signed64(handle: int) -> int:
     """mpi4py reports handles as unsigned; the FFI attribute is a signed int64."""
     return handle - (1 << 64) if handle >= (1 << 63) else handle
@@ -47,9 +52,13 @@ class JaxComm:
     call), so jaxcomm traffic never matches messages sent with mpi4py on ``comm``.
     Every method is ordered with every other jaxcomm call in program order, inside
     and across jitted functions and eager code, without tokens.
+
+    ``check=True`` (default: the environment variable ``JAXCOMM_CHECK=1``) turns on
+    checking mode: run-time verification of what ranks must agree on, such as the
+    replicated cotangent that the gradient convention assumes.
     """
 
-    def __init__(self, comm: MPI.Comm | JaxComm | None = None):
+    def __init__(self, comm: MPI.Comm | JaxComm | None = None, *, check: bool | None = None):
         base = MPI.COMM_WORLD if comm is None else comm
         if isinstance(base, JaxComm):
             base = base.mpi
@@ -61,8 +70,13 @@ class JaxComm:
         # Errors come back as codes that the FFI handlers turn into exceptions,
         # instead of aborting the job.
         self._mpi.Set_errhandler(MPI.ERRORS_RETURN)
+        if check is None:
+            check = comm.check if isinstance(comm, JaxComm) else _check_from_environment()
         self._info = CommInfo(
-            _signed64(MPI._handleof(self._mpi)), self._mpi.Get_rank(), self._mpi.Get_size()
+            _signed64(MPI._handleof(self._mpi)),
+            self._mpi.Get_rank(),
+            self._mpi.Get_size(),
+            bool(check),
         )
         self._tag_ub = self._mpi.Get_attr(MPI.TAG_UB)
 
@@ -80,6 +94,11 @@ class JaxComm:
     def size(self) -> int:
         return self._info.size
 
+    @property
+    def check(self) -> bool:
+        """Whether checking mode is on for this communicator."""
+        return self._info.check
+
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and other._info == self._info
 
@@ -92,7 +111,7 @@ class JaxComm:
     # -- derived communicators ---------------------------------------------------
     def dup(self: Self) -> Self:
         """A new communicator of the same type and group (collective)."""
-        return type(self)(self._mpi)
+        return type(self)(self)
 
     def split(self: Self, color: int, key: int = 0) -> Self | None:
         """Like MPI_Comm_split; None on ranks that pass color=MPI.UNDEFINED."""
@@ -100,7 +119,7 @@ class JaxComm:
         if part == MPI.COMM_NULL:
             return None
         try:
-            return type(self)(part)
+            return type(self)(part, check=self.check)
         finally:
             part.Free()
 
@@ -256,9 +275,7 @@ class JaxComm:
         comm = self._comm
         results, status = [], jnp.array([source, tag], np.int32)
         for leaf in leaves:
-            out, status = _p2p.recv(
-                comm=comm, shape=leaf.shape, dtype=leaf.dtype, source=source, tag=tag
-            )
+            out, status = _p2p.recv(leaf, comm=comm, source=source, tag=tag)
             results.append(out)
         result = jax.tree.unflatten(tree, results)
         return (result, Status(status[0], status[1])) if return_status else result
@@ -310,6 +327,19 @@ class JaxComm:
             results.append(out)
         result = jax.tree.unflatten(tree, results)
         return (result, Status(status[0], status[1])) if return_status else result
+
+    # -- autodiff ----------------------------------------------------------------------
+    def pvary(self, x: PyTree) -> PyTree:
+        """Mark a replicated value that flows into rank-dependent code. Same shapes as x.
+
+        The identity on values. Under the gradient convention, the cotangent of a
+        replicated value (an allreduce, bcast or allgather result) is assumed to be
+        identical on every rank; where each rank uses the value differently, pass it
+        through pvary so that its cotangent is summed over ranks instead.
+        """
+        leaves, tree = self._leaves("pvary", x)
+        comm = self._comm
+        return jax.tree.unflatten(tree, [_reductions.pvary(leaf, comm=comm) for leaf in leaves])
 
     def barrier(self: Self) -> Self:
         """Block until every rank has reached the barrier. Returns self."""

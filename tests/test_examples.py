@@ -25,3 +25,12 @@ def test_send_recv():
     ones = "[[1. 1. 1.]\n [1. 1. 1.]\n [1. 1. 1.]]"
     assert f"r1 | {zeros}" in out
     assert f"r0 | {ones}" in out
+
+
+def test_jpi_scatter_grad():
+    out = run_example("jpi_scatter_grad.py", 4)
+    lines = sorted(out.strip().splitlines())
+    assert lines == [
+        "Rank 0 has result 41.0 and gradient [1. 1. 1. 1. 1. 1. 2. 2.]",
+        *(f"Rank {r} has result 41.0 and gradient [0. 0. 0. 0. 0. 0. 0. 0.]" for r in (1, 2, 3)),
+    ]

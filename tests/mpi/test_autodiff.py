@@ -1,0 +1,277 @@
+"""jvp, grad and higher derivatives of every op, against finite differences of the
+GLOBAL function: every rank's input perturbed, the real distributed op evaluated.
+
+A case's loss is replicated (the same function of a replicated result on every
+rank: the gradient convention) or per-rank (the global loss is the sum over
+ranks of each rank's own loss).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+from mpi4py import MPI
+
+EPS = 1e-6
+
+
+def data(rank, size, phase=0.0):
+    """Smooth, positive values, distinct across ranks and positions (no ties)."""
+    index = np.arange(2 * size).reshape(size, 2)
+    return 0.5 + 0.1 * rank + 0.3 * index + 0.01 * np.sin(index + phase)
+
+
+def shift_peers(comm, periodic):
+    r, n = comm.rank, comm.size
+    if periodic:
+        return (r - 1) % n, (r + 1) % n
+    return (r - 1 if r > 0 else MPI.PROC_NULL), (r + 1 if r < n - 1 else MPI.PROC_NULL)
+
+
+def send_recv_pairs(comm, x):
+    """Even ranks send 2x to the next rank, which multiplies it into its own x."""
+    r, n = comm.rank, comm.size
+    if r % 2 == 0 and r + 1 < n:
+        comm.send(2 * x, dest=r + 1)
+        return x
+    if r % 2 == 1:
+        return comm.recv(x, source=r - 1) * x
+    return x
+
+
+def scatter_rows(comm, x):
+    return comm.scatter(x if comm.rank == 1 % comm.size else x[0], root=1 % comm.size)
+
+
+def finite(y):
+    return jnp.where(jnp.isfinite(y), y, 0.0)
+
+
+#: name -> (function of (comm, x), replicated result?)
+CASES = {
+    "allreduce_sum": (lambda c, x: c.allreduce(x), True),
+    "allreduce_max": (lambda c, x: c.allreduce(x, op=MPI.MAX), True),
+    "allreduce_min": (lambda c, x: c.allreduce(x, op="min"), True),
+    "allreduce_prod": (lambda c, x: c.allreduce(x, op=MPI.PROD), True),
+    "bcast": (lambda c, x: c.bcast(x, root=c.size - 1), True),
+    "allgather": (lambda c, x: c.allgather(x[0]), True),
+    "reduce_sum": (lambda c, x: c.reduce(x, root=c.size - 1), False),
+    "reduce_max": (lambda c, x: c.reduce(x, op=MPI.MAX, root=0), False),
+    "reduce_prod": (lambda c, x: c.reduce(x, op=MPI.PROD, root=0), False),
+    "gather": (lambda c, x: c.gather(x[1], root=0), False),
+    "scatter": (scatter_rows, False),
+    "alltoall": (lambda c, x: c.alltoall(x), False),
+    "reduce_scatter_sum": (lambda c, x: c.reduce_scatter(x), False),
+    "reduce_scatter_max": (lambda c, x: c.reduce_scatter(x, op=MPI.MAX), False),
+    "scan_sum": (lambda c, x: c.scan(x), False),
+    "scan_max": (lambda c, x: c.scan(x, op=MPI.MAX), False),
+    "scan_prod": (lambda c, x: c.scan(x, op=MPI.PROD), False),
+    "exscan_sum": (lambda c, x: c.exscan(x), False),
+    "exscan_min": (lambda c, x: finite(c.exscan(x, op=MPI.MIN)), False),  # rank 0: inf
+    "exscan_prod": (lambda c, x: c.exscan(x, op=MPI.PROD), False),
+    "sendrecv_ring": (
+        lambda c, x: c.sendrecv(x, source=shift_peers(c, True)[0], dest=shift_peers(c, True)[1]),
+        False,
+    ),
+    "sendrecv_chain": (
+        lambda c, x: c.sendrecv(x, source=shift_peers(c, False)[0], dest=shift_peers(c, False)[1]),
+        False,
+    ),
+    "send_recv": (send_recv_pairs, False),
+    "pvary": (lambda c, x: c.pvary(c.allreduce(x)) * (c.rank + 1.0), False),
+    "barrier": (lambda c, x: c.barrier() and x * x, False),
+}
+
+
+def local_loss(comm, name):
+    fn, replicated = CASES[name]
+    offset = 0.0 if replicated else float(comm.rank)
+
+    def loss(x):
+        y = fn(comm, x)
+        weights = 1.0 + offset + 0.25 * jnp.arange(y.size).reshape(y.shape)
+        return jnp.sum(jnp.sin(y) * weights)
+
+    return loss
+
+
+def finite_difference_jacobian(comm, g, replicated, x):
+    """d(global g)/d(this rank's x), perturbing one element of one rank at a time.
+
+    The global value of g is g itself if replicated, else the sum over ranks.
+    """
+    g = jax.jit(g)
+
+    def global_value(x):
+        value = np.asarray(g(x))
+        return value if replicated else comm.mpi.allreduce(value)
+
+    columns = {}
+    for owner in range(comm.size):
+        for i in np.ndindex(x.shape):
+            values = []
+            for sign in (1, -1):
+                xp = x.copy()
+                if comm.rank == owner:
+                    xp[i] += sign * EPS
+                values.append(global_value(xp))
+            if comm.rank == owner:
+                columns[i] = (values[0] - values[1]) / (2 * EPS)
+    return np.stack([columns[i] for i in np.ndindex(x.shape)], -1).reshape(
+        columns[(0,) * x.ndim].shape + x.shape
+    )
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_grad_matches_finite_differences(comm, name):
+    x = data(comm.rank, comm.size)
+    loss = local_loss(comm, name)
+    expected = finite_difference_jacobian(comm, loss, CASES[name][1], x)
+    np.testing.assert_allclose(jax.grad(loss)(x), expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(x), expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_jacrev_matches_finite_differences(comm, name):
+    if name == "gather" and comm.size > 1:
+        pytest.skip("jacrev batches over outputs: gather's output size differs by rank")
+    if name == "send_recv" and comm.size > 1:
+        pytest.skip("a send's transpose cannot know the batch size of jacrev (documented)")
+    fn, replicated = CASES[name]
+    x = data(comm.rank, comm.size)
+    expected = finite_difference_jacobian(comm, lambda x: fn(comm, x), replicated, x)
+    np.testing.assert_allclose(
+        jax.jit(jax.jacrev(lambda x: fn(comm, x)))(x), expected, rtol=1e-6, atol=1e-7
+    )
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_jvp_and_jacfwd_match_finite_differences(comm, name):
+    fn = jax.jit(lambda x: CASES[name][0](comm, x))
+    x = data(comm.rank, comm.size)
+    t = data(comm.rank, comm.size, phase=1.0) - 0.5  # every rank moves at once
+    y, dy = jax.jvp(fn, (x,), (t,))
+    numeric = (fn(x + EPS * t) - fn(x - EPS * t)) / (2 * EPS)
+    np.testing.assert_allclose(y, fn(x))
+    np.testing.assert_allclose(dy, numeric, rtol=1e-6, atol=1e-7)
+    # Column i of jacfwd: every rank moves its element i at once.
+    jacobian = jax.jacfwd(fn)(x)
+    for i in np.ndindex(x.shape):
+        e = np.zeros_like(x)
+        e[i] = EPS
+        column = (fn(x + e) - fn(x - e)) / (2 * EPS)
+        np.testing.assert_allclose(jacobian[(..., *i)], column, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_second_order(comm, name):
+    fn = lambda x: CASES[name][0](comm, x)  # noqa: E731
+    x = data(comm.rank, comm.size)
+    check_grads(fn, (x,), order=2, modes=["fwd"], eps=1e-4)
+    if name == "send_recv" and comm.size > 1:
+        return  # reverse over reverse needs sendrecv (documented): a send's transpose
+        # receives into a constant, so the outer derivative never reaches it.
+    # Reverse over reverse: the Hessian-vector product against differences of grads.
+    grad = jax.jit(jax.grad(local_loss(comm, name)))
+    v = data(comm.rank, comm.size, phase=2.0) - 0.5
+    hvp = jax.grad(lambda x: jnp.vdot(grad(x), v))(x)
+    numeric = (grad(x + EPS * v) - grad(x - EPS * v)) / (2 * EPS)
+    np.testing.assert_allclose(hvp, numeric, rtol=1e-5, atol=1e-6)
+
+
+def test_max_ties_split_evenly(comm):
+    x = jnp.ones(3)
+    t = jnp.full(3, comm.rank + 1.0)
+    _, dy = jax.jvp(lambda x: comm.allreduce(x, op=MPI.MAX), (x,), (t,))
+    np.testing.assert_allclose(dy, np.full(3, (comm.size + 1) / 2))
+
+
+def test_jpi_example_gradient(comm):
+    """The JPI README program: scatter from 0, double on the last rank, allreduce."""
+    x = jnp.arange(2.0 * comm.size) if comm.rank == 0 else jnp.zeros(2 * comm.size)
+
+    def func(x):
+        rows = x.reshape(comm.size, 2)
+        y = comm.scatter(rows if comm.rank == 0 else rows[0], root=0)
+        if comm.rank == comm.size - 1:
+            y = y * 2
+        return jnp.sum(comm.allreduce(y))
+
+    n = comm.size
+    expected = sum(range(2 * n)) + sum(range(2 * n - 2, 2 * n))
+    assert float(jax.jit(func)(x)) == expected
+    weights = np.ones(2 * n)
+    weights[-2:] = 2
+    expected_grad = weights if comm.rank == 0 else np.zeros(2 * n)
+    np.testing.assert_array_equal(jax.grad(func)(x), expected_grad)
+
+
+def test_grad_inside_scan_checkpoint_and_custom_vjp(comm):
+    @jax.custom_vjp
+    def cube(z):
+        return z**3
+
+    cube.defvjp(lambda z: (cube(z), z), lambda z, ct: (3 * z**2 * ct,))
+
+    def loss(x):
+        def step(carry, _):
+            carry = jax.checkpoint(lambda c: comm.sendrecv(jnp.sin(c), **ring(comm)))(carry)
+            return carry, comm.allreduce(carry)  # unused: its transpose still runs
+
+        last, _ = jax.lax.scan(step, x, None, length=3)
+        return jnp.sum(cube(comm.allreduce(last)))
+
+    def reference(xs):  # row r is rank r's x; the same loss on every rank
+        for _ in range(3):
+            xs = np.roll(np.sin(xs), 1, axis=0)  # rank r receives from rank r - 1
+        return np.sum(xs.sum(0) ** 3)
+
+    xs = np.stack([data(r, comm.size)[0] for r in range(comm.size)])
+    value = float(jax.jit(loss)(jnp.asarray(xs[comm.rank])))
+    np.testing.assert_allclose(value, reference(xs), rtol=1e-12)
+    grad = jax.jit(jax.grad(loss))(jnp.asarray(xs[comm.rank]))
+    numeric = np.zeros(xs.shape[1])
+    for i in range(xs.shape[1]):
+        up, down = xs.copy(), xs.copy()
+        up[comm.rank, i] += EPS
+        down[comm.rank, i] -= EPS
+        numeric[i] = (reference(up) - reference(down)) / (2 * EPS)
+    np.testing.assert_allclose(grad, numeric, rtol=1e-6)
+
+
+def ring(comm):
+    return {"source": (comm.rank - 1) % comm.size, "dest": (comm.rank + 1) % comm.size}
+
+
+def test_checking_mode_catches_unreplicated_cotangent(comm):
+    from jaxcomm import JaxComm
+
+    checked = JaxComm(comm, check=True)
+    x = jnp.arange(3.0)
+
+    def rank_dependent(x):  # the allreduce result feeds rank-dependent code
+        return jnp.sum(checked.allreduce(x) * (checked.rank + 1.0))
+
+    if comm.size == 1:
+        np.testing.assert_array_equal(jax.grad(rank_dependent)(x), np.ones(3))
+    else:
+        with pytest.raises(Exception, match=r"transpose of allreduce .* not identical") as err:
+            jax.grad(rank_dependent)(x)
+        assert "pvary" in str(err.value)
+    # With the marker, the same code is right and passes the check.
+    fixed = lambda x: jnp.sum(checked.pvary(checked.allreduce(x)) * (checked.rank + 1.0))  # noqa: E731
+    total = sum(r + 1.0 for r in range(comm.size))
+    np.testing.assert_allclose(jax.grad(fixed)(x), np.full(3, total))
+    checked.free()
+
+
+def test_recv_from_any_source_is_not_differentiable(comm):
+    if comm.size < 2:
+        pytest.skip("needs a partner")
+    if comm.rank == 0:
+        comm.send(jnp.ones(2), dest=1)
+    elif comm.rank == 1:
+        with pytest.raises(ValueError, match="explicit source"):
+            jax.jvp(lambda t: comm.recv(t), (jnp.zeros(2),), (jnp.ones(2),))
+    comm.barrier()
