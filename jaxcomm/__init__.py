@@ -23,14 +23,17 @@ import jax
 from mpi4py import MPI
 
 from jaxcomm import _native
+from jaxcomm._kernels import build_flags, register_kernel
 from jaxcomm._native import MPILibraryMismatchError
 from jaxcomm._ops import DTYPES, ReduceOp
 from jaxcomm.comm import JaxComm, Status
+from jaxcomm.topology import CartComm
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DTYPES",
+    "CartComm",
     "JaxComm",
     "MPILibraryMismatchError",
     "ReduceOp",
@@ -40,6 +43,7 @@ __all__ = [
     "alltoall",
     "barrier",
     "bcast",
+    "build_flags",
     "exscan",
     "gather",
     "get_comm",
@@ -47,6 +51,7 @@ __all__ = [
     "recv",
     "reduce",
     "reduce_scatter",
+    "register_kernel",
     "scan",
     "scatter",
     "send",

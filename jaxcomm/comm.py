@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import os
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from jaxcomm import _collectives, _p2p, _reductions
+from jaxcomm import _collectives, _kernels, _p2p, _reductions
 from jaxcomm._ops import ReduceOp, as_reduce_op, check_dtype, check_reduction
 from jaxcomm._primitive import CommInfo
+
+if TYPE_CHECKING:
+    from jaxcomm.topology import CartComm
 
 PyTree = Any
 Self = TypeVar("Self", bound="JaxComm")
@@ -122,6 +126,19 @@ class JaxComm:
             return type(self)(part, check=self.check)
         finally:
             part.Free()
+
+    def create_cart(
+        self, dims: Sequence[int], periods: Sequence[bool] | None = None, reorder: bool = False
+    ) -> CartComm:
+        """A Cartesian grid over this communicator's ranks (collective).
+
+        dims: ranks per grid dimension (0 = let MPI choose); periods: whether each
+        dimension wraps (default: none). Returns a CartComm that is also of this
+        communicator's type, with coords, shift and halo_exchange.
+        """
+        from jaxcomm.topology import create_cart
+
+        return create_cart(self, dims, periods, reorder)
 
     def free(self) -> None:
         """Free the MPI communicator (collective). The JaxComm is unusable after."""
@@ -327,6 +344,37 @@ class JaxComm:
             results.append(out)
         result = jax.tree.unflatten(tree, results)
         return (result, Status(status[0], status[1])) if return_status else result
+
+    # -- extension hook -----------------------------------------------------------------
+    def call_kernel(
+        self,
+        target: str,
+        *args: jax.Array,
+        results: Sequence[jax.ShapeDtypeStruct],
+        aliases: dict[int, int] | None = None,
+        vmap_method: str = "sequential",
+        **attrs: Any,
+    ) -> list[jax.Array]:
+        """Call the FFI kernel `target` (see jaxcomm.register_kernel) on this communicator.
+
+        The kernel runs in program order with every other jaxcomm operation. It gets
+        the attributes ``comm`` (int64 MPI_Comm handle; decode it with
+        ``jaxcomm::comm_from_handle``), ``rank`` and ``size`` (int32), then `attrs`.
+        `results` declares the output shapes and dtypes; `aliases` maps an operand
+        index to the result index that may reuse its buffer. Under vmap,
+        "sequential" calls the kernel once per batch element; "expand_dims" calls it
+        once with a leading batch axis on every operand and result. Returns a list.
+        For gradients, wrap the method in jax.custom_jvp or jax.custom_vjp.
+        """
+        return _kernels.call_kernel(
+            target,
+            *(jnp.asarray(a) for a in args),
+            comm=self._comm,
+            results=results,
+            aliases=aliases,
+            vmap_method=vmap_method,
+            attrs=attrs,
+        )
 
     # -- autodiff ----------------------------------------------------------------------
     def pvary(self, x: PyTree) -> PyTree:

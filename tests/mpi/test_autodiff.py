@@ -59,7 +59,7 @@ CASES = {
     "reduce_sum": (lambda c, x: c.reduce(x, root=c.size - 1), False),
     "reduce_max": (lambda c, x: c.reduce(x, op=MPI.MAX, root=0), False),
     "reduce_prod": (lambda c, x: c.reduce(x, op=MPI.PROD, root=0), False),
-    "gather": (lambda c, x: c.gather(x[1], root=0), False),
+    "gather": (lambda c, x: c.gather(x[-1], root=0), False),
     "scatter": (scatter_rows, False),
     "alltoall": (lambda c, x: c.alltoall(x), False),
     "reduce_scatter_sum": (lambda c, x: c.reduce_scatter(x), False),
@@ -123,8 +123,15 @@ def finite_difference_jacobian(comm, g, replicated, x):
     )
 
 
+def skip_beyond_three_ranks(comm):
+    # Finite differences cost 2 * size * n evaluations; 4 ranks are oversubscribed here.
+    if comm.size > 3:
+        pytest.skip("finite-difference checks run on 1 to 3 ranks")
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_grad_matches_finite_differences(comm, name):
+    skip_beyond_three_ranks(comm)
     x = data(comm.rank, comm.size)
     loss = local_loss(comm, name)
     expected = finite_difference_jacobian(comm, loss, CASES[name][1], x)
@@ -134,6 +141,7 @@ def test_grad_matches_finite_differences(comm, name):
 
 @pytest.mark.parametrize("name", CASES)
 def test_jacrev_matches_finite_differences(comm, name):
+    skip_beyond_three_ranks(comm)
     if name == "gather" and comm.size > 1:
         pytest.skip("jacrev batches over outputs: gather's output size differs by rank")
     if name == "send_recv" and comm.size > 1:

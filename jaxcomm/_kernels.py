@@ -1,0 +1,128 @@
+"""User kernels: a subclass's own XLA FFI handler, called like a built-in op.
+
+One primitive per FFI target. The call threads the communicator's ordered-effect
+token (so it runs in program order with every other jaxcomm op) and passes the
+communicator as the attributes ``comm`` (int64 MPI_Comm handle), ``rank`` and
+``size`` (int32), before the caller's own attributes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import core
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
+from jaxcomm._primitive import CommInfo, define_rules, move_batch
+
+VMAP_METHODS = ("sequential", "expand_dims")
+
+_primitives: dict[str, Primitive] = {}
+
+
+def register_kernel(target: str, handler: Any, platform: str = "cpu") -> None:
+    """Register an FFI handler (a PyCapsule, or a ctypes function pointer) as `target`."""
+    if hasattr(handler, "argtypes"):  # a ctypes function
+        handler = jax.ffi.pycapsule(handler)
+    jax.ffi.register_ffi_target(target, handler, platform=platform)
+
+
+def _abstract_eval(*avals, results, **_):
+    return [core.ShapedArray(shape, dtype) for shape, dtype in results], {COMM_EFFECT}
+
+
+def _lowering(ctx, *operands, target, comm: CommInfo, results, aliases, attrs, vmap_method):
+    rule = lower_with_token(target, aliases=dict(aliases) or None)
+    ffi_attrs = {"comm": np.int64(comm.handle), "rank": np.int32(comm.rank)}
+    ffi_attrs["size"] = np.int32(comm.size)
+    ffi_attrs.update(attrs)
+    return rule(ctx, *operands, **ffi_attrs)
+
+
+def _batch(args, dims, *, results, vmap_method, **params):
+    (size,) = {x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None}
+    primitive = _primitives[params["target"]]
+    if vmap_method == "expand_dims":
+        # The kernel sees a leading batch axis on every operand and result.
+        args = [
+            move_batch(x, d, 0) if d is not None else jnp.broadcast_to(x, (size, *x.shape))
+            for x, d in zip(args, dims, strict=True)
+        ]
+        batched = tuple(((size, *shape), dtype) for shape, dtype in results)
+        outs = primitive.bind(*args, results=batched, vmap_method=vmap_method, **params)
+        return outs, [0] * len(outs)
+    # sequential: one call per batch element, in order.
+    calls = []
+    for i in range(size):
+        element = [
+            x if d is None else jnp.take(x, i, axis=d) for x, d in zip(args, dims, strict=True)
+        ]
+        calls.append(primitive.bind(*element, results=results, vmap_method=vmap_method, **params))
+    return [jnp.stack(outs) for outs in zip(*calls, strict=True)], [0] * len(results)
+
+
+def kernel_primitive(target: str) -> Primitive:
+    if target not in _primitives:
+        primitive = Primitive(target)
+        primitive.multiple_results = True
+        primitive.def_impl(partial(apply_primitive, primitive))
+        primitive.def_effectful_abstract_eval(_abstract_eval)
+        mlir.register_lowering(primitive, _lowering)
+        define_rules(primitive, batch=_batch)
+        _primitives[target] = primitive
+    return _primitives[target]
+
+
+def call_kernel(
+    target: str,
+    *args: jax.Array,
+    comm: CommInfo,
+    results: Sequence[jax.ShapeDtypeStruct],
+    aliases: dict[int, int] | None = None,
+    vmap_method: str = "sequential",
+    attrs: dict[str, Any] | None = None,
+) -> list[jax.Array]:
+    if vmap_method not in VMAP_METHODS:
+        raise ValueError(
+            f"call_kernel: vmap_method must be one of {VMAP_METHODS}, got {vmap_method!r}"
+        )
+    return kernel_primitive(target).bind(
+        *args,
+        target=target,
+        comm=comm,
+        results=tuple((tuple(r.shape), np.dtype(r.dtype)) for r in results),
+        aliases=tuple(sorted((aliases or {}).items())),
+        attrs=tuple(sorted((attrs or {}).items())),
+        vmap_method=vmap_method,
+    )
+
+
+def build_flags() -> dict[str, list[str]]:
+    """Include directories and the MPI library for compiling a kernel against jaxcomm.
+
+    {"include_dirs": [jaxcomm's header dir, XLA FFI headers, mpi.h's dir],
+     "libraries": [the libmpi jaxcomm links]}.
+    """
+    from jaxcomm import _build_config
+
+    package = os.path.dirname(__file__)
+    mpi_include = [d for d in _build_config.MPI_INCLUDE_DIRS if os.path.isdir(d)]
+    mpi_library = _build_config.MPI_LIBRARY
+    if not mpi_include or not os.path.exists(mpi_library):
+        # Built against the mpich wheel of an isolated build environment, since
+        # removed: the same wheel is installed in this environment.
+        mpi_include = [os.path.join(sys.prefix, "include")]
+        mpi_library = os.path.join(sys.prefix, "lib", "libmpi.so")
+    return {
+        "include_dirs": [os.path.join(package, "include"), jax.ffi.include_dir(), *mpi_include],
+        "libraries": [mpi_library],
+    }

@@ -1,0 +1,103 @@
+"""create_cart, CartComm.shift and halo_exchange; subclasses keep their type."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mpi4py import MPI
+from test_autodiff import finite_difference_jacobian
+
+from jaxcomm import CartComm, JaxComm
+
+
+class Subclass(JaxComm):
+    def twice(self, x):
+        return 2 * self.allreduce(x)
+
+
+def local_block(comm, interior=3, width=1):
+    """Interior cells hold 10 * rank + position; halos start at -1."""
+    block = np.full(interior + 2 * width, -1.0)
+    block[width:-width] = 10.0 * comm.rank + np.arange(interior)
+    return block
+
+
+@pytest.mark.parametrize("periodic", [True, False])
+def test_halo_exchange_1d(comm, periodic):
+    with comm.create_cart([comm.size], [periodic]) as cart:
+        assert isinstance(cart, CartComm) and cart.coords == (cart.rank,)
+        lower, upper = cart.shift(0)
+        x = local_block(cart)
+        result = np.asarray(jax.jit(lambda x: cart.halo_exchange(x, axis=0))(x))
+        expected = x.copy()
+        if lower != MPI.PROC_NULL:
+            expected[0] = 10.0 * lower + 2
+        if upper != MPI.PROC_NULL:
+            expected[-1] = 10.0 * upper
+        np.testing.assert_array_equal(result, expected)
+        if not periodic:
+            assert (lower == MPI.PROC_NULL) == (cart.rank == 0)
+
+
+def test_halo_exchange_2d_grid(comm):
+    with comm.create_cart([0, 0], [True, True]) as cart:
+        assert np.prod(cart.dims) == comm.size and len(cart.coords) == 2
+        x = jnp.full((4, 5), float(cart.rank))
+        y = jax.jit(lambda x: cart.halo_exchange(cart.halo_exchange(x, axis=0), axis=1))(x)
+        for direction, axis in [(0, 0), (1, 1)]:
+            lower, upper = cart.shift(direction)
+            lower_halo = np.take(np.asarray(y), 0, axis=axis)[1:-1]
+            upper_halo = np.take(np.asarray(y), -1, axis=axis)[1:-1]
+            np.testing.assert_array_equal(lower_halo, float(lower))
+            np.testing.assert_array_equal(upper_halo, float(upper))
+
+
+@pytest.mark.parametrize("periodic", [True, False])
+def test_halo_exchange_grad_and_vmap(comm, periodic):
+    with comm.create_cart([comm.size], [periodic]) as cart:
+
+        def loss(x):
+            y = cart.halo_exchange(x, axis=0, width=2)
+            return jnp.sum(jnp.sin(y) * (1.0 + cart.rank + jnp.arange(y.size)))
+
+        x = np.linspace(0.1, 1.0, 8) + cart.rank
+        expected = finite_difference_jacobian(cart, loss, False, x)
+        np.testing.assert_allclose(jax.jit(jax.grad(loss))(x), expected, rtol=1e-6, atol=1e-7)
+        xs = np.stack([x, 2 * x, 3 * x])
+        exchange = lambda x: cart.halo_exchange(x, axis=0, width=2)  # noqa: E731
+        loop = np.stack([exchange(v) for v in xs])
+        np.testing.assert_array_equal(jax.jit(jax.vmap(exchange))(xs), loop)
+
+
+def test_halo_too_wide_raises(comm):
+    with comm.create_cart([comm.size]) as cart:
+        with pytest.raises(ValueError, match="width=2 halos do not fit"):
+            cart.halo_exchange(jnp.zeros(5), axis=0, width=2)
+        with pytest.raises(ValueError, match="direction=3"):
+            cart.shift(3)
+
+
+def test_create_cart_checks_dims(comm):
+    with pytest.raises(ValueError, match="do not fit"):
+        comm.create_cart([comm.size + 1])
+    with pytest.raises(ValueError, match="differ in length"):
+        comm.create_cart([comm.size], [True, False])
+
+
+def test_derived_communicators_keep_the_subclass(comm):
+    with Subclass(comm) as mine:
+        with mine.dup() as dup, mine.create_cart([mine.size]) as cart:
+            assert type(dup) is Subclass
+            assert isinstance(cart, Subclass) and isinstance(cart, CartComm)
+            np.testing.assert_array_equal(cart.twice(jnp.ones(2)), np.full(2, 2.0 * comm.size))
+            with cart.dup() as again:
+                assert type(again) is type(cart)
+        part = mine.split(mine.rank % 2)
+        assert type(part) is Subclass
+        part.free()
+
+
+def test_many_communicators_are_freed(comm):
+    # MPI runs out of communicator context ids after a few thousand leaks.
+    for _ in range(3000):
+        comm.create_cart([comm.size]).free()
