@@ -224,7 +224,7 @@ class JaxComm:
         return self._apply("exscan", _reductions.exscan, x, op=as_reduce_op(op))
 
     def reduce_scatter(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
-        """x: (size, *s) on every rank; rank r gets row r of the reduction, shape s."""
+        """x: ``(size, *s)`` on every rank; rank r gets row r of the reduction, shape s."""
         op = as_reduce_op(op)
         return self._apply(
             "reduce_scatter", _reductions.reduce_scatter, x, leading_axis=True, op=op
@@ -237,16 +237,16 @@ class JaxComm:
         return self._apply("bcast", _collectives.bcast, x, root=root)
 
     def gather(self, x: PyTree, root: int = 0) -> PyTree:
-        """On root, (size, *x.shape) with rank i's x in row i; other ranks get x back."""
+        """On root, ``(size, *x.shape)`` with rank i's x in row i; other ranks get x back."""
         root = self._rank("gather", "root", root)
         return self._apply("gather", _collectives.gather, x, root=root)
 
     def allgather(self, x: PyTree) -> PyTree:
-        """(size, *x.shape) on every rank, with rank i's x in row i."""
+        """``(size, *x.shape)`` on every rank, with rank i's x in row i."""
         return self._apply("allgather", _collectives.allgather, x)
 
     def scatter(self, x: PyTree, root: int = 0) -> PyTree:
-        """Root passes (size, *s); every rank gets its row, shape s.
+        """Root passes ``(size, *s)``; every rank gets its row, shape s.
 
         Non-root ranks pass an array of shape s (its values are not read).
         """
@@ -257,7 +257,7 @@ class JaxComm:
         return self._apply("scatter", _collectives.scatter, x, root=root)
 
     def alltoall(self, x: PyTree) -> PyTree:
-        """x: (size, *s). Row i of the result is rank i's row `rank`."""
+        """x: ``(size, *s)``. Row i of the result is rank i's row `rank`."""
         return self._apply("alltoall", _collectives.alltoall, x, leading_axis=True)
 
     # -- point to point -----------------------------------------------------------------
