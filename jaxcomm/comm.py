@@ -82,7 +82,9 @@ class JaxComm:
             self._mpi.Get_size(),
             bool(check),
         )
-        self._tag_ub = self._mpi.Get_attr(MPI.TAG_UB)
+        # MPI_TAG_UB is only guaranteed on COMM_WORLD (Open MPI omits it on some
+        # derived communicators).
+        self._tag_ub = self._mpi.Get_attr(MPI.TAG_UB) or MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
 
     # -- identity -------------------------------------------------------------
     @property
