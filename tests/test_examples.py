@@ -4,42 +4,44 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 from mpirun import run
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
+HERE = Path(__file__).parent
+EXAMPLES = HERE.parent / "examples"
 
 SIXES = "[[6. 6. 6.]\n [6. 6. 6.]\n [6. 6. 6.]]"
 
 
 def run_example(name, nprocs, *args):
-    result = run(nprocs, [str(EXAMPLES / name), *args], timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
+    """Each rank's stdout, in rank order."""
+    with tempfile.TemporaryDirectory() as out:
+        script = [str(HERE / "rank_output.py"), out, str(EXAMPLES / name), *args]
+        result = run(nprocs, script, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return [(Path(out) / f"rank-{r}.txt").read_text() for r in range(nprocs)]
 
 
 def test_global_sum():
-    assert run_example("global_sum.py", 4).strip() == SIXES
+    assert [out.strip() for out in run_example("global_sum.py", 4)] == [SIXES, "", "", ""]
 
 
 def test_send_recv():
-    out = run_example("send_recv.py", 2)
-    zeros = "r1 | [[0. 0. 0.]\n [0. 0. 0.]\n [0. 0. 0.]]"
-    ones = "r0 | [[1. 1. 1.]\n [1. 1. 1.]\n [1. 1. 1.]]"
-    # mpiexec may interleave the two ranks' output line by line (Open MPI does).
-    assert sorted(out.strip().splitlines()) == sorted(f"{zeros}\n{ones}".splitlines())
+    outputs = run_example("send_recv.py", 2)
+    assert outputs[0].strip() == "r0 | [[1. 1. 1.]\n [1. 1. 1.]\n [1. 1. 1.]]"
+    assert outputs[1].strip() == "r1 | [[0. 0. 0.]\n [0. 0. 0.]\n [0. 0. 0.]]"
 
 
 def test_jpi_scatter_grad():
-    out = run_example("jpi_scatter_grad.py", 4)
-    lines = sorted(out.strip().splitlines())
-    assert lines == [
-        "Rank 0 has result 41.0 and gradient [1. 1. 1. 1. 1. 1. 2. 2.]",
-        *(f"Rank {r} has result 41.0 and gradient [0. 0. 0. 0. 0. 0. 0. 0.]" for r in (1, 2, 3)),
-    ]
+    outputs = run_example("jpi_scatter_grad.py", 4)
+    assert outputs[0] == "Rank 0 has result 41.0 and gradient [1. 1. 1. 1. 1. 1. 2. 2.]\n"
+    for rank in (1, 2, 3):
+        expected = f"Rank {rank} has result 41.0 and gradient [0. 0. 0. 0. 0. 0. 0. 0.]\n"
+        assert outputs[rank] == expected
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +69,7 @@ def custom_kernel(tmp_path_factory):
 
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_custom_op(custom_kernel, nprocs):
-    out = run_example("custom_op/my_comm.py", nprocs, str(custom_kernel))
+    outputs = run_example("custom_op/my_comm.py", nprocs, str(custom_kernel))
     scaled = 0.5 * nprocs * np.arange(3.0) + 0.5 * nprocs * (nprocs - 1) / 2
-    lines = sorted(out.strip().splitlines())
-    assert len(lines) == nprocs
-    for rank, line in enumerate(lines):
-        assert line.startswith(f"rank {rank}: allreduce_scaled {scaled}"), line
+    for rank, out in enumerate(outputs):
+        assert out.startswith(f"rank {rank}: allreduce_scaled {scaled}"), out
