@@ -229,36 +229,20 @@ def _reduce_scatter_batch(args, dims, *, comm, op):
     return reduce_scatter_p.bind(move_batch(x, dim, 1), comm=comm, op=op), [0]
 
 
-define_rules(
-    allreduce_p,
-    jvp=_reduction_jvp(allreduce_p, _allreduce_tangent),
-    transpose=_linear_only("allreduce", _allreduce_transpose),
-    batch=batch_elementwise(allreduce_p),
-)
-define_rules(
-    reduce_p,
-    jvp=_reduction_jvp(reduce_p, _reduce_tangent),
-    transpose=_linear_only("reduce", _reduce_transpose),
-    batch=batch_elementwise(reduce_p),
-)
-define_rules(
-    scan_p,
-    jvp=_reduction_jvp(scan_p, partial(_prefix_tangent, inclusive=True)),
-    transpose=_linear_only("scan", _scan_transpose),
-    batch=batch_elementwise(scan_p),
-)
-define_rules(
-    exscan_p,
-    jvp=_reduction_jvp(exscan_p, partial(_prefix_tangent, inclusive=False)),
-    transpose=_linear_only("exscan", _exscan_transpose),
-    batch=batch_elementwise(exscan_p),
-)
-define_rules(
-    reduce_scatter_p,
-    jvp=_reduction_jvp(reduce_scatter_p, _reduce_scatter_tangent),
-    transpose=_linear_only("reduce_scatter", _reduce_scatter_transpose),
-    batch=_reduce_scatter_batch,
-)
+# One row per reduction: its tangent, its transpose (SUM only) and its batching.
+for _primitive, _tangent, _transpose, _batch in [
+    (allreduce_p, _allreduce_tangent, _allreduce_transpose, None),
+    (reduce_p, _reduce_tangent, _reduce_transpose, None),
+    (scan_p, partial(_prefix_tangent, inclusive=True), _scan_transpose, None),
+    (exscan_p, partial(_prefix_tangent, inclusive=False), _exscan_transpose, None),
+    (reduce_scatter_p, _reduce_scatter_tangent, _reduce_scatter_transpose, _reduce_scatter_batch),
+]:
+    define_rules(
+        _primitive,
+        jvp=_reduction_jvp(_primitive, _tangent),
+        transpose=_linear_only(_primitive.name.removeprefix("jaxcomm_"), _transpose),
+        batch=_batch or batch_elementwise(_primitive),
+    )
 define_rules(
     pvary_p,
     jvp=linear_jvp(pvary_p),
