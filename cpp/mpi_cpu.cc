@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "call.h"
 #include "jaxcomm/jaxcomm.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -31,15 +32,6 @@ using TokenOut = ffi::Result<ffi::Token>;
 using Buffer = ffi::AnyBuffer;
 using Result = ffi::Result<ffi::AnyBuffer>;
 using Status = ffi::Result<ffi::Buffer<ffi::DataType::S32, 1>>;
-
-// MPI calls made by handlers so far: lets tests check that a batched op is one call.
-std::atomic<uint64_t> calls{0};
-
-// Every handler starts here, before its MPI call.
-MPI_Comm enter(int64_t comm_handle) {
-  calls.fetch_add(1, std::memory_order_relaxed);
-  return comm_from_handle(comm_handle);
-}
 
 char* bytes(const Buffer& b) { return static_cast<char*>(b.untyped_data()); }
 char* bytes(Result& b) { return static_cast<char*>(b->untyped_data()); }
@@ -156,8 +148,10 @@ void normalize_logical(void* out, int64_t n, ffi::DataType dtype, int32_t op) {
 // ---------------------------------------------------------------------------
 // Reductions
 
-ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t op) {
-  MPI_Comm comm = enter(comm_handle);
+ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check, int32_t op) {
+  Call call(comm_handle, check, "allreduce", x.element_type(), x.dimensions());
+  if (auto err = call.reduce_op(op).agree(); err.failure()) return err;
+  MPI_Comm comm = call.comm();
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = reduction_of(x, op, "allreduce", &type, &mpi); err.failure()) return err;
@@ -170,8 +164,11 @@ ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle,
   return ffi::Error::Success();
 }
 
-ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t op, int32_t root) {
-  MPI_Comm comm = enter(comm_handle);
+ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check, int32_t op,
+                  int32_t root) {
+  Call call(comm_handle, check, "reduce", x.element_type(), x.dimensions());
+  if (auto err = call.reduce_op(op).param("root", root).agree(); err.failure()) return err;
+  MPI_Comm comm = call.comm();
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = reduction_of(x, op, "reduce", &type, &mpi); err.failure()) return err;
@@ -191,9 +188,11 @@ ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, in
 }
 
 template <bool kExclusive>
-ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t op) {
+ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check, int32_t op) {
   constexpr std::string_view name = kExclusive ? "exscan" : "scan";
-  MPI_Comm comm = enter(comm_handle);
+  Call call(comm_handle, check, name, x.element_type(), x.dimensions());
+  if (auto err = call.reduce_op(op).agree(); err.failure()) return err;
+  MPI_Comm comm = call.comm();
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = reduction_of(x, op, name, &type, &mpi); err.failure()) return err;
@@ -212,8 +211,11 @@ ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int3
   return ffi::Error::Success();
 }
 
-ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t op) {
-  MPI_Comm comm = enter(comm_handle);
+ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+                         int32_t op) {
+  Call call(comm_handle, check, "reduce_scatter", x.element_type(), x.dimensions());
+  if (auto err = call.reduce_op(op).agree(); err.failure()) return err;
+  MPI_Comm comm = call.comm();
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = reduction_of(x, op, "reduce_scatter", &type, &mpi); err.failure()) return err;
@@ -245,8 +247,10 @@ ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_han
 // ---------------------------------------------------------------------------
 // Data movement
 
-ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t root) {
-  MPI_Comm comm = enter(comm_handle);
+ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check, int32_t root) {
+  Call call(comm_handle, check, "bcast", x.element_type(), x.dimensions());
+  if (auto err = call.param("root", root).agree(); err.failure()) return err;
+  MPI_Comm comm = call.comm();
   MPI_Datatype type;
   if (auto err = datatype_of(x, "bcast", &type); err.failure()) return err;
   if (comm_rank(comm) == root) copy_if_distinct(out, x);
@@ -257,8 +261,10 @@ ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int
   return ffi::Error::Success();
 }
 
-ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t root) {
-  MPI_Comm comm = enter(comm_handle);
+ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check, int32_t root) {
+  Call call(comm_handle, check, "gather", x.element_type(), x.dimensions());
+  if (auto err = call.param("root", root).agree(); err.failure()) return err;
+  MPI_Comm comm = call.comm();
   MPI_Datatype type;
   if (auto err = datatype_of(x, "gather", &type); err.failure()) return err;
   Block block(x.element_count(), type);
@@ -275,8 +281,10 @@ ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, in
   return ffi::Error::Success();
 }
 
-ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle) {
-  MPI_Comm comm = enter(comm_handle);
+ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check) {
+  Call call(comm_handle, check, "allgather", x.element_type(), x.dimensions());
+  if (auto err = call.agree(); err.failure()) return err;
+  MPI_Comm comm = call.comm();
   MPI_Datatype type;
   if (auto err = datatype_of(x, "allgather", &type); err.failure()) return err;
   Block block(x.element_count(), type);
@@ -286,8 +294,10 @@ ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle)
   return ffi::Error::Success();
 }
 
-ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, int32_t root) {
-  MPI_Comm comm = enter(comm_handle);
+ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check, int32_t root) {
+  Call call(comm_handle, check, "scatter", out->element_type(), out->dimensions());
+  if (auto err = call.param("root", root).agree(); err.failure()) return err;
+  MPI_Comm comm = call.comm();
   MPI_Datatype type;
   if (auto err = datatype_of(x, "scatter", &type); err.failure()) return err;
   Block block(out->element_count(), type);
@@ -298,8 +308,10 @@ ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, i
   return ffi::Error::Success();
 }
 
-ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle) {
-  MPI_Comm comm = enter(comm_handle);
+ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check) {
+  Call call(comm_handle, check, "alltoall", x.element_type(), x.dimensions());
+  if (auto err = call.agree(); err.failure()) return err;
+  MPI_Comm comm = call.comm();
   MPI_Datatype type;
   if (auto err = datatype_of(x, "alltoall", &type); err.failure()) return err;
   int size;
@@ -315,15 +327,21 @@ ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle) 
 // Point to point. Received data from MPI_PROC_NULL is zeros, so the output is
 // always written; the status output holds the sender's rank and the tag.
 
+// How many messages for_each_piece splits `count` elements into.
+int64_t pieces(int64_t count) { return count == 0 ? 1 : (count + kMaxCount - 1) / kMaxCount; }
+
 void write_status(Status& status, const MPI_Status& s) {
   status->typed_data()[0] = s.MPI_SOURCE;
   status->typed_data()[1] = s.MPI_TAG;
 }
 
-ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_handle, int32_t dest, int32_t tag) {
-  MPI_Comm comm = enter(comm_handle);
+ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_handle, bool check, int32_t dest, int32_t tag) {
+  Call call(comm_handle, check, "send", x.element_type(), x.dimensions());
+  call.peer("dest", dest).peer("tag", tag);
+  MPI_Comm comm = call.comm();
   MPI_Datatype type;
   if (auto err = datatype_of(x, "send", &type); err.failure()) return err;
+  if (auto err = call.send_header(dest, tag, pieces(x.element_count())); err.failure()) return err;
   JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(), [&](int64_t offset, int n) {
                       return MPI_Send(bytes(x) + offset * element_size(x), n, type, dest, tag, comm);
                     }),
@@ -344,10 +362,15 @@ ffi::Error check_count(const MPI_Status& s, MPI_Datatype type, int expected, std
 }
 
 // `like` is the template: its shape and dtype are the result's; its data is unused.
-ffi::Error Recv(Token, Buffer /*like*/, TokenOut, Result out, Status status, int64_t comm_handle, int32_t source, int32_t tag) {
-  MPI_Comm comm = enter(comm_handle);
+ffi::Error Recv(Token, Buffer /*like*/, TokenOut, Result out, Status status, int64_t comm_handle, bool check,
+                int32_t source, int32_t tag) {
+  Call call(comm_handle, check, "recv", out->element_type(), out->dimensions());
+  call.peer("source", source).peer("tag", tag);
+  MPI_Comm comm = call.comm();
   MPI_Datatype type = mpi_datatype(out->element_type());
   if (type == MPI_DATATYPE_NULL) return invalid_argument("recv", "unsupported dtype");
+  if (auto err = call.recv_header(&source, &tag, out->element_type(), out->dimensions()); err.failure())
+    return err;
   if (source == MPI_PROC_NULL) std::memset(out->untyped_data(), 0, out->size_bytes());
   const size_t width = ffi::ByteWidth(out->element_type());
   MPI_Status s{};
@@ -365,12 +388,33 @@ ffi::Error Recv(Token, Buffer /*like*/, TokenOut, Result out, Status status, int
   return ffi::Error::Success();
 }
 
-ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm_handle, int32_t source,
-                    int32_t dest, int32_t sendtag, int32_t recvtag) {
-  MPI_Comm comm = enter(comm_handle);
+ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm_handle, bool check,
+                    int32_t source, int32_t dest, int32_t sendtag, int32_t recvtag) {
+  Call call(comm_handle, check, "sendrecv", x.element_type(), x.dimensions());
+  call.peer("source", source).peer("dest", dest);
+  MPI_Comm comm = call.comm();
   MPI_Datatype send_type, recv_type = mpi_datatype(out->element_type());
   if (auto err = datatype_of(x, "sendrecv", &send_type); err.failure()) return err;
   if (recv_type == MPI_DATATYPE_NULL) return invalid_argument("sendrecv", "unsupported dtype");
+  const int64_t send_pieces = pieces(std::max(x.element_count(), out->element_count()));
+  bool matches = true;
+  if (auto err = call.sendrecv_header(dest, sendtag, send_pieces, &source, &recvtag, out->element_type(),
+                                      out->dimensions(), &matches);
+      err.failure())
+    return err;
+  if (!matches) {
+    // The peer still waits for our data: send it while draining theirs.
+    std::vector<MPI_Request> requests;
+    for_each_piece(std::max(x.element_count(), out->element_count()), [&](int64_t offset, int n) {
+      int sn = static_cast<int>(std::clamp<int64_t>(x.element_count() - offset, 0, n));
+      requests.emplace_back();
+      return MPI_Isend(bytes(x) + offset * element_size(x), sn, send_type, dest, sendtag, comm,
+                       &requests.back());
+    });
+    ffi::Error error = call.mismatch(source, recvtag);
+    MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+    return error;
+  }
   const bool in_place = bytes(out) == bytes(x);
   if (source == MPI_PROC_NULL) {
     if (in_place && dest != MPI_PROC_NULL) {
@@ -433,9 +477,10 @@ double component(ffi::DataType dtype, const char* p, int64_t i) {
   }
 }
 
-ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm_handle,
+ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
                            std::string_view operation) {
-  MPI_Comm comm = enter(comm_handle);
+  Call call(comm_handle, check, "check_replicated", x.element_type(), x.dimensions());
+  MPI_Comm comm = call.comm();
   copy_if_distinct(out, x);
   const bool complex =
       x.element_type() == ffi::DataType::C64 || x.element_type() == ffi::DataType::C128;
@@ -476,8 +521,10 @@ ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm_h
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition, message);
 }
 
-ffi::Error Barrier(Token, TokenOut, int64_t comm_handle) {
-  MPI_Comm comm = enter(comm_handle);
+ffi::Error Barrier(Token, TokenOut, int64_t comm_handle, bool check) {
+  Call call(comm_handle, check, "barrier");
+  if (auto err = call.agree(); err.failure()) return err;
+  MPI_Comm comm = call.comm();
   JAXCOMM_CHECK_MPI(MPI_Barrier(comm), "barrier", comm);
   return ffi::Error::Success();
 }
@@ -487,7 +534,7 @@ ffi::Error Barrier(Token, TokenOut, int64_t comm_handle) {
 
 // token, x -> token, out; every op names its communicator "comm".
 auto unary() {
-  return ffi::Ffi::Bind().Arg<Token>().Arg<Buffer>().Ret<Token>().Ret<Buffer>().Attr<int64_t>("comm");
+  return ffi::Ffi::Bind().Arg<Token>().Arg<Buffer>().Ret<Token>().Ret<Buffer>().Attr<int64_t>("comm").Attr<bool>("check");
 }
 using StatusBuffer = ffi::Buffer<ffi::DataType::S32, 1>;
 
@@ -506,17 +553,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_scatter, Scatter, unary().Attr<int32_t>("r
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_alltoall, Alltoall, unary());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_send, Send,
                               ffi::Ffi::Bind().Arg<Token>().Arg<Buffer>().Ret<Token>()
-                                  .Attr<int64_t>("comm").Attr<int32_t>("dest").Attr<int32_t>("tag"));
+                                  .Attr<int64_t>("comm").Attr<bool>("check").Attr<int32_t>("dest").Attr<int32_t>("tag"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_recv, Recv,
                               ffi::Ffi::Bind().Arg<Token>().Arg<Buffer>().Ret<Token>().Ret<Buffer>().Ret<StatusBuffer>()
-                                  .Attr<int64_t>("comm").Attr<int32_t>("source").Attr<int32_t>("tag"));
+                                  .Attr<int64_t>("comm").Attr<bool>("check").Attr<int32_t>("source").Attr<int32_t>("tag"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_sendrecv, Sendrecv,
                               ffi::Ffi::Bind().Arg<Token>().Arg<Buffer>().Ret<Token>().Ret<Buffer>()
-                                  .Ret<StatusBuffer>().Attr<int64_t>("comm").Attr<int32_t>("source")
+                                  .Ret<StatusBuffer>().Attr<int64_t>("comm").Attr<bool>("check").Attr<int32_t>("source")
                                   .Attr<int32_t>("dest").Attr<int32_t>("sendtag")
                                   .Attr<int32_t>("recvtag"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_barrier, Barrier,
-                              ffi::Ffi::Bind().Arg<Token>().Ret<Token>().Attr<int64_t>("comm"));
+                              ffi::Ffi::Bind().Arg<Token>().Ret<Token>().Attr<int64_t>("comm").Attr<bool>("check"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_check_replicated, CheckReplicated,
                               unary().Attr<std::string_view>("operation"));
@@ -558,7 +605,7 @@ NB_MODULE(_jaxcomm_cpu, m) {
         "MPI_Get_library_version of the libmpi this module is linked to.");
   m.def("mpi_initialized", &initialized,
         "MPI_Initialized as seen by the libmpi this module is linked to.");
-  m.def("call_count", [] { return jaxcomm::calls.load(); },
+  m.def("call_count", &jaxcomm::call_count,
         "How many times a handler has called into MPI in this process.");
   m.attr("MPI_VERSION") = MPI_VERSION;
 }

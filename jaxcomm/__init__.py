@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import sys
 from typing import Any
 
 import jax
@@ -37,6 +38,7 @@ __all__ = [
     "JaxComm",
     "MPILibraryMismatchError",
     "ReduceOp",
+    "abort_on_error",
     "Status",
     "allgather",
     "allreduce",
@@ -102,6 +104,26 @@ send = _module_function("send")
 recv = _module_function("recv")
 sendrecv = _module_function("sendrecv")
 barrier = _module_function("barrier")
+
+
+def abort_on_error(comm: MPI.Comm | JaxComm | None = None, exit_code: int = 1) -> None:
+    """Make an uncaught exception on any one rank end the whole job.
+
+    Installs a ``sys.excepthook`` that prints the traceback and then calls
+    ``MPI_Abort`` on `comm` (default COMM_WORLD), so that ranks waiting for the
+    failed one in a collective exit too instead of hanging. Running the program
+    as ``python -m mpi4py program.py`` has the same effect.
+    """
+    target = comm.mpi if isinstance(comm, JaxComm) else comm or MPI.COMM_WORLD
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        previous(kind, value, traceback)
+        sys.stderr.write(f"jaxcomm: uncaught exception on rank {MPI.COMM_WORLD.rank}; aborting the job\n")
+        sys.stderr.flush()
+        target.Abort(exit_code)
+
+    sys.excepthook = hook
 
 
 def get_include() -> str:

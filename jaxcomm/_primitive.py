@@ -72,7 +72,7 @@ def comm_primitive(
     def lowering(ctx: mlir.LoweringRuleContext, *operands: Any, comm: CommInfo, **params: Any):
         alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases else None
         rule = lower_with_token(f"jaxcomm_{name}", aliases=alias)
-        ffi_attrs: dict[str, Any] = {"comm": np.int64(comm.handle)}
+        ffi_attrs: dict[str, Any] = {"comm": np.int64(comm.handle), "check": np.bool_(comm.check)}
         for key in attrs:
             value = params[key]
             ffi_attrs[key] = value if isinstance(value, str) else np.int32(value)

@@ -1,5 +1,8 @@
 """MPI errors become Python exceptions naming the op, the rank and MPI's message."""
 
+import gc
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,3 +21,24 @@ def test_truncated_message_is_an_exception(comm):
     # The communicator still works afterwards.
     comm.barrier()
     assert_values(comm.allreduce(jnp.ones(1)), np.full(1, comm.size, FLOAT))
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_ten_thousand_small_ops_do_not_grow_memory(comm):
+    step = jax.jit(lambda x: comm.allreduce(x) / comm.size)
+    x = jnp.ones(4)
+    for _ in range(500):  # warm-up: compilation, allocator pools
+        x = step(x)
+    x.block_until_ready()
+    gc.collect()
+    before = resident_bytes()
+    for _ in range(10_000):
+        x = step(x)
+    x.block_until_ready()
+    gc.collect()
+    assert_values(x, np.ones(4, FLOAT))
+    assert resident_bytes() - before < 16 << 20

