@@ -230,12 +230,12 @@ def jax_case(op: str, count: int, call: Callable, *, jit: bool, size: int, rank:
 
 
 class JaxcommBackend(Backend):
-    def __init__(self, comm: MPI.Intracomm, *, jit: bool):
+    def __init__(self, comm: MPI.Intracomm, *, jit: bool, check: bool = False):
         from jaxcomm import JaxComm
 
-        self.comm = JaxComm(comm)
+        self.comm = JaxComm(comm, check=check)
         self.jit = jit
-        self.name = "jaxcomm-jit" if jit else "jaxcomm-eager"
+        self.name = ("jaxcomm-jit" if jit else "jaxcomm-eager") + ("-check" if check else "")
 
     def _call(self, op):
         comm = self.comm

@@ -21,6 +21,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 VARIANTS = {
+    "mpi4py-in-place": "MPI alone: mpi4py Allreduce(IN_PLACE, x)",
     "jaxcomm-jit-donated": "jaxcomm, jit with donate_argnums=0",
     "jaxcomm-jit": "jaxcomm, jit without donation",
     "mpi4jax-jit-donated": "mpi4jax, jit with donate_argnums=0",
@@ -38,6 +39,14 @@ def child(variant: str, nbytes: int) -> None:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    if variant == "mpi4py-in-place":
+        import numpy as np
+
+        x = np.ones(nbytes // 4, np.float32)
+        before = current_rss() - nbytes
+        comm.Allreduce(MPI.IN_PLACE, x)
+        ok = x[0] == comm.size and x[-1] == comm.size
+        return report(comm, variant, nbytes, before, ok)
     if variant.startswith("jaxcomm"):
         from jaxcomm import JaxComm
 
@@ -55,10 +64,16 @@ def child(variant: str, nbytes: int) -> None:
     before = current_rss() - nbytes  # what the process held before the array
     y = compiled(x).block_until_ready()
     ok = bool(y[0] == comm.size) and bool(y[-1] == comm.size)
+    report(comm, variant, nbytes, before, ok)
+
+
+def report(comm, variant: str, nbytes: int, before: int, ok: bool) -> None:
+    from mpi4py import MPI
+
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     growth = comm.allreduce((peak - before) / nbytes, op=MPI.MAX)
     if comm.rank == 0:
-        print(json.dumps({"variant": variant, "bytes": nbytes, "peak_over_array": growth, "ok": ok}))
+        print(json.dumps({"variant": variant, "bytes": nbytes, "peak_over_array": growth, "ok": bool(ok)}))
 
 
 def main(argv=None) -> None:

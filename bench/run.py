@@ -37,7 +37,11 @@ def parse_args(argv=None):
     parser.add_argument("--max-bytes", type=int, default=16 << 20)
     parser.add_argument("--reps", type=int, default=9, help="repetitions (at least 9 for reports)")
     parser.add_argument("--min-time", type=float, default=0.01, help="seconds per timed loop")
-    parser.add_argument("--backends", default="", help="comma-separated subset (default: all)")
+    parser.add_argument(
+        "--backends",
+        default="",
+        help="comma-separated subset (default: all but jaxcomm-jit-check, checking mode's cost)",
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results", help="output folder")
     parser.add_argument("--quick", action="store_true", help="4 B to 4 KiB, 3 repetitions")
     parser.add_argument("--no-plot", action="store_true")
@@ -54,6 +58,8 @@ def make_backends(comm: MPI.Intracomm, wanted: set[str], build_dir: Path) -> lis
     if B.mpi4jax_available():
         found += [B.Mpi4jaxBackend(comm, jit=True), B.Mpi4jaxBackend(comm, jit=False)]
     found += [B.JaxcommBackend(comm, jit=True), B.JaxcommBackend(comm, jit=False)]
+    if "jaxcomm-jit-check" in wanted:  # checking mode's cost: only when asked for
+        found.append(B.JaxcommBackend(comm, jit=True, check=True))
     return [b for b in found if not wanted or b.name in wanted]
 
 
