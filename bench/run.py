@@ -47,7 +47,8 @@ def parse_args(argv=None):
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
-        args.max_bytes, args.reps, args.min_time = 4096, 3, 0.002
+        args.max_bytes, args.reps = min(args.max_bytes, 4096), min(args.reps, 3)
+        args.min_time = min(args.min_time, 0.002)
     return args
 
 

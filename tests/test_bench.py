@@ -1,0 +1,29 @@
+"""The benchmark suite keeps working: a tiny run of each script under mpiexec.
+Nothing is timed here; the scripts check every backend's results themselves."""
+
+import json
+from pathlib import Path
+
+from mpirun import run
+
+BENCH = Path(__file__).parent.parent / "bench"
+
+
+def test_latency_suite_checks_and_records_every_backend(tmp_path):
+    args = [str(BENCH / "run.py"), "--quick", "--max-bytes", "64", "--reps", "1", "--out", str(tmp_path),
+            "--backends", "C,mpi4py,jaxcomm-jit,jaxcomm-eager,jaxcomm-jit-check"]  # fmt: skip
+    result = run(2, args, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = [json.loads(line) for line in (tmp_path / "latency.jsonl").read_text().splitlines()]
+    ops = {"allreduce", "bcast", "sendrecv", "alltoall", "allgather", "reduce_scatter", "scan"}
+    backends = {"C", "mpi4py", "jaxcomm-jit", "jaxcomm-eager", "jaxcomm-jit-check"}
+    assert {(r["op"], r["backend"]) for r in records} == {(o, b) for o in ops for b in backends}
+    assert all(r["median_us"] > 0 and r["bytes"] in (4, 16, 64) for r in records)
+    assert (tmp_path / "latency.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_mlp_workload(tmp_path):
+    result = run(2, [str(BENCH / "mlp.py"), "--steps", "2", "--reps", "1", "--out", str(tmp_path)], timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    names = {json.loads(line)["backend"] for line in (tmp_path / "mlp.jsonl").read_text().splitlines()}
+    assert {"no-communication", "jaxcomm"} <= names
