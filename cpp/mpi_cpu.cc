@@ -1,15 +1,14 @@
-// XLA FFI handlers (CPU) for every jaxcomm operation, and the Python module that
-// hands them to jax.ffi.register_ffi_target.
+// jaxcomm's operations on host memory: the MPI glue behind every XLA FFI handler,
+// and the CPU handlers themselves. The CUDA module (mpi_cuda.cc) calls the same
+// functions on staged host copies of device buffers.
 //
 // Every handler takes the ordered-effect token first and returns it first, so XLA
 // keeps the calls in program order. Buffers are XLA's own: no staging copies. When
 // XLA aliases an output with an input (donation), the op runs in place.
 
 #include <mpi.h>
-#include <nanobind/nanobind.h>
-#include <nanobind/stl/string.h>
 
-#include <atomic>
+#include <algorithm>
 #include <cmath>
 #include <complex>
 #include <cstring>
@@ -19,19 +18,11 @@
 
 #include "call.h"
 #include "jaxcomm/jaxcomm.h"
+#include "ops.h"
 #include "xla/ffi/api/ffi.h"
 
-namespace nb = nanobind;
-namespace ffi = xla::ffi;
-
-namespace jaxcomm {
+namespace jaxcomm::host {
 namespace {
-
-using Token = ffi::Token;
-using TokenOut = ffi::Result<ffi::Token>;
-using Buffer = ffi::AnyBuffer;
-using Result = ffi::Result<ffi::AnyBuffer>;
-using Status = ffi::Result<ffi::Buffer<ffi::DataType::S32, 1>>;
 
 char* bytes(const Buffer& b) { return static_cast<char*>(b.untyped_data()); }
 char* bytes(Result& b) { return static_cast<char*>(b->untyped_data()); }
@@ -145,6 +136,8 @@ void normalize_logical(void* out, int64_t n, ffi::DataType dtype, int32_t op) {
   }
 }
 
+}  // namespace
+
 // ---------------------------------------------------------------------------
 // Reductions
 
@@ -187,8 +180,10 @@ ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bo
   return ffi::Error::Success();
 }
 
+namespace {
+
 template <bool kExclusive>
-ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check, int32_t op) {
+ffi::Error scan(Buffer x, Result out, int64_t comm_handle, bool check, int32_t op) {
   constexpr std::string_view name = kExclusive ? "exscan" : "scan";
   Call call(comm_handle, check, name, x.element_type(), x.dimensions());
   if (auto err = call.reduce_op(op).agree(); err.failure()) return err;
@@ -209,6 +204,16 @@ ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool
     normalize_logical(out->untyped_data(), x.element_count(), x.element_type(), op);
   }
   return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check, int32_t op) {
+  return scan<false>(x, out, comm_handle, check, op);
+}
+
+ffi::Error Exscan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check, int32_t op) {
+  return scan<true>(x, out, comm_handle, check, op);
 }
 
 ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
@@ -327,6 +332,8 @@ ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, 
 // Point to point. Received data from MPI_PROC_NULL is zeros, so the output is
 // always written; the status output holds the sender's rank and the tag.
 
+namespace {
+
 // How many messages for_each_piece splits `count` elements into.
 int64_t pieces(int64_t count) { return count == 0 ? 1 : (count + kMaxCount - 1) / kMaxCount; }
 
@@ -334,6 +341,20 @@ void write_status(Status& status, const MPI_Status& s) {
   status->typed_data()[0] = s.MPI_SOURCE;
   status->typed_data()[1] = s.MPI_TAG;
 }
+
+// A message shorter than the buffer is an error, not a partly written result.
+ffi::Error check_count(const MPI_Status& s, MPI_Datatype type, int expected, std::string_view op) {
+  if (s.MPI_SOURCE == MPI_PROC_NULL) return ffi::Error::Success();
+  int count = 0;
+  MPI_Get_count(&s, type, &count);
+  if (count == expected) return ffi::Error::Success();
+  return invalid_argument(op, "received " + std::to_string(count) + " elements from rank " +
+                                  std::to_string(s.MPI_SOURCE) + " but the receive buffer holds " +
+                                  std::to_string(expected) +
+                                  " (the sender's array and the template differ in size)");
+}
+
+}  // namespace
 
 ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_handle, bool check, int32_t dest, int32_t tag) {
   Call call(comm_handle, check, "send", x.element_type(), x.dimensions());
@@ -347,18 +368,6 @@ ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_handle, bool check, int3
                     }),
                     "send", comm);
   return ffi::Error::Success();
-}
-
-// A message shorter than the buffer is an error, not a partly written result.
-ffi::Error check_count(const MPI_Status& s, MPI_Datatype type, int expected, std::string_view op) {
-  if (s.MPI_SOURCE == MPI_PROC_NULL) return ffi::Error::Success();
-  int count = 0;
-  MPI_Get_count(&s, type, &count);
-  if (count == expected) return ffi::Error::Success();
-  return invalid_argument(op, "received " + std::to_string(count) + " elements from rank " +
-                                  std::to_string(s.MPI_SOURCE) + " but the receive buffer holds " +
-                                  std::to_string(expected) +
-                                  " (the sender's array and the template differ in size)");
 }
 
 // `like` is the template: its shape and dtype are the result's; its data is unused.
@@ -457,6 +466,8 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
 // Checking mode: is x identical on every rank? Used where the gradient convention
 // assumes a replicated cotangent.
 
+namespace {
+
 // Component i of x as a double (complex numbers have two components per element).
 double component(ffi::DataType dtype, const char* p, int64_t i) {
   switch (dtype) {
@@ -476,6 +487,8 @@ double component(ffi::DataType dtype, const char* p, int64_t i) {
     default: return 0.0;
   }
 }
+
+}  // namespace
 
 ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
                            std::string_view operation) {
@@ -529,83 +542,13 @@ ffi::Error Barrier(Token, TokenOut, int64_t comm_handle, bool check) {
   return ffi::Error::Success();
 }
 
-// ---------------------------------------------------------------------------
-// Bindings
+}  // namespace jaxcomm::host
 
-// token, x -> token, out; every op names its communicator "comm".
-auto unary() {
-  return ffi::Ffi::Bind().Arg<Token>().Arg<Buffer>().Ret<Token>().Ret<Buffer>().Attr<int64_t>("comm").Attr<bool>("check");
-}
-using StatusBuffer = ffi::Buffer<ffi::DataType::S32, 1>;
+namespace jaxcomm {
 
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_allreduce, Allreduce, unary().Attr<int32_t>("op"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_reduce, Reduce,
-                              unary().Attr<int32_t>("op").Attr<int32_t>("root"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_scan, Scan<false>, unary().Attr<int32_t>("op"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_exscan, Scan<true>, unary().Attr<int32_t>("op"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_reduce_scatter, ReduceScatter, unary().Attr<int32_t>("op"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_bcast, Bcast, unary().Attr<int32_t>("root"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_gather, Gather, unary().Attr<int32_t>("root"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_allgather, Allgather, unary());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_scatter, Scatter, unary().Attr<int32_t>("root"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_alltoall, Alltoall, unary());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_send, Send,
-                              ffi::Ffi::Bind().Arg<Token>().Arg<Buffer>().Ret<Token>()
-                                  .Attr<int64_t>("comm").Attr<bool>("check").Attr<int32_t>("dest").Attr<int32_t>("tag"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_recv, Recv,
-                              ffi::Ffi::Bind().Arg<Token>().Arg<Buffer>().Ret<Token>().Ret<Buffer>().Ret<StatusBuffer>()
-                                  .Attr<int64_t>("comm").Attr<bool>("check").Attr<int32_t>("source").Attr<int32_t>("tag"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_sendrecv, Sendrecv,
-                              ffi::Ffi::Bind().Arg<Token>().Arg<Buffer>().Ret<Token>().Ret<Buffer>()
-                                  .Ret<StatusBuffer>().Attr<int64_t>("comm").Attr<bool>("check").Attr<int32_t>("source")
-                                  .Attr<int32_t>("dest").Attr<int32_t>("sendtag")
-                                  .Attr<int32_t>("recvtag"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_barrier, Barrier,
-                              ffi::Ffi::Bind().Arg<Token>().Ret<Token>().Attr<int64_t>("comm").Attr<bool>("check"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_check_replicated, CheckReplicated,
-                              unary().Attr<std::string_view>("operation"));
-
-#define JAXCOMM_TARGETS(X)                                                                  \
-  X(allreduce) X(reduce) X(scan) X(exscan) X(reduce_scatter) X(bcast) X(gather) X(allgather) \
-  X(scatter) X(alltoall) X(send) X(recv) X(sendrecv) X(barrier) X(check_replicated)
+#define JAXCOMM_DEFINE_CPU_HANDLER(name, function, binding) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name, host::function, binding);
+JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind())
+#undef JAXCOMM_DEFINE_CPU_HANDLER
 
 }  // namespace jaxcomm
-
-namespace {
-
-std::string library_version() {
-  char text[MPI_MAX_LIBRARY_VERSION_STRING];
-  int length = 0;
-  MPI_Get_library_version(text, &length);
-  return std::string(text, static_cast<size_t>(length));
-}
-
-bool initialized() {
-  int flag = 0;
-  MPI_Initialized(&flag);
-  return flag != 0;
-}
-
-}  // namespace
-
-NB_MODULE(_jaxcomm_cpu, m) {
-  m.doc() = "jaxcomm's CPU XLA FFI handlers.";
-  m.def("registrations", [] {
-    nb::dict targets;
-#define JAXCOMM_REGISTER(name) \
-  targets["jaxcomm_" #name] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_##name));
-    JAXCOMM_TARGETS(JAXCOMM_REGISTER)
-#undef JAXCOMM_REGISTER
-    return targets;
-  });
-  m.def("mpi_library_version", &library_version,
-        "MPI_Get_library_version of the libmpi this module is linked to.");
-  m.def("mpi_initialized", &initialized,
-        "MPI_Initialized as seen by the libmpi this module is linked to.");
-  m.def("call_count", &jaxcomm::call_count,
-        "How many times a handler has called into MPI in this process.");
-  m.attr("MPI_VERSION") = MPI_VERSION;
-}

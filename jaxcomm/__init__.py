@@ -46,10 +46,12 @@ __all__ = [
     "barrier",
     "bcast",
     "build_flags",
+    "cuda_aware",
     "exscan",
     "gather",
     "get_comm",
     "get_include",
+    "has_cuda_support",
     "recv",
     "reduce",
     "reduce_scatter",
@@ -126,9 +128,19 @@ def abort_on_error(comm: MPI.Comm | JaxComm | None = None, exit_code: int = 1) -
     sys.excepthook = hook
 
 
+def has_cuda_support() -> bool:
+    """Whether this build of jaxcomm has its CUDA handlers (GPU arrays work)."""
+    return _native.cuda is not None
+
+
+def cuda_aware() -> bool:
+    """Whether GPU buffers go to MPI directly (a CUDA-aware MPI, or
+    ``JAXCOMM_CUDA_AWARE=1``) rather than through pinned host staging."""
+    return _native.cuda is not None and bool(_native.cuda.cuda_aware())
+
+
 def get_include() -> str:
     """Directory holding ``jaxcomm/jaxcomm.h``, for building custom FFI kernels."""
     return os.path.join(os.path.dirname(__file__), "include")
 
 
-del _native

@@ -50,4 +50,18 @@ def _load():
     return cpu
 
 
+def _load_cuda():
+    """The CUDA handlers, when this build has them (an optional module)."""
+    try:
+        from jaxcomm import _jaxcomm_cuda as cuda
+    except ImportError:
+        return None
+    for name, capsule in cuda.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    return cuda
+
+
 cpu = _load()
+cuda = _load_cuda()
+#: The platforms jaxcomm's operations lower to.
+PLATFORMS = ("cpu", "cuda") if cuda is not None else ("cpu",)

@@ -24,6 +24,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
+from jaxcomm._native import PLATFORMS
 
 
 class CommInfo(NamedTuple):
@@ -78,7 +79,8 @@ def comm_primitive(
             ffi_attrs[key] = value if isinstance(value, str) else np.int32(value)
         return rule(ctx, *operands, **ffi_attrs)
 
-    mlir.register_lowering(primitive, lowering, platform="cpu")
+    for platform in PLATFORMS:  # the same FFI target name on every platform
+        mlir.register_lowering(primitive, lowering, platform=platform)
     return primitive
 
 

@@ -183,6 +183,17 @@ class JaxComm:
                 check_dtype(operation, leaf.dtype)
             else:
                 check_reduction(operation, op, leaf.dtype)
+        platforms = {
+            device.platform
+            for leaf in leaves
+            if not isinstance(leaf, jax.core.Tracer)
+            for device in leaf.devices()
+        }
+        if len(platforms) > 1:
+            raise ValueError(
+                f"{operation}: the arrays are on different platforms ({', '.join(sorted(platforms))}); "
+                "put them on one with jax.device_put"
+            )
         return leaves, tree
 
     def _leading_axis(self, operation: str, leaf: jax.Array, what: str = "x") -> None:

@@ -1,0 +1,236 @@
+// jaxcomm's CUDA handlers, and the Python module `jaxcomm._jaxcomm_cuda`.
+//
+// Each handler runs the host operation of mpi_cpu.cc on GPU buffers:
+//
+// - staged (default): the inputs are copied into pinned host buffers on XLA's
+//   stream, the stream is synchronised once, MPI works on host memory, and the
+//   results are copied back on the stream (the handler returns without waiting).
+//   The pinned arena is allocated once, grown when a call needs more, and reused;
+//   nothing is allocated per call.
+// - CUDA-aware: after synchronising the stream, device pointers go straight to
+//   MPI, for the operations whose host code never touches buffer contents itself
+//   (see kDirect below); the others stay staged.
+#include <cuda_runtime_api.h>
+#include <mpi.h>
+#include <nanobind/nanobind.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+
+#include "ops.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+
+namespace jaxcomm {
+namespace {
+
+ffi::Error cuda_error(cudaError_t code, const char* what) {
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("jaxcomm (CUDA): ") + what + ": " + cudaGetErrorString(code));
+}
+
+#define JAXCOMM_CHECK_CUDA(call, what)                                       \
+  do {                                                                       \
+    if (cudaError_t jaxcomm_cuda_ = (call); jaxcomm_cuda_ != cudaSuccess)   \
+      return cuda_error(jaxcomm_cuda_, what);                                \
+  } while (0)
+
+// Does the MPI library accept device pointers? Decided once per process.
+bool query_cuda_aware() {
+  if (const char* forced = std::getenv("JAXCOMM_CUDA_AWARE")) return std::strcmp(forced, "0") != 0;
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  return MPIX_Query_cuda_support() == 1;  // Open MPI
+#elif defined(MPIX_GPU_SUPPORT_CUDA)
+  int supported = 0;  // MPICH
+  return MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &supported) == MPI_SUCCESS && supported;
+#else
+  return false;
+#endif
+}
+
+bool cuda_aware() {
+  static const bool aware = query_cuda_aware();
+  return aware;
+}
+
+// Pinned host memory reused by every call: calls run one at a time (the ordered
+// effect serialises them), and a call's copies back to the device are queued on
+// the stream ahead of the next call's copies out of it.
+class Arena {
+ public:
+  ~Arena() {
+    if (base_) cudaFreeHost(base_);
+  }
+
+  ffi::Error reserve(size_t bytes) {
+    if (bytes <= capacity_) return ffi::Error::Success();
+    if (base_) JAXCOMM_CHECK_CUDA(cudaFreeHost(base_), "freeing the pinned staging buffer");
+    base_ = nullptr;
+    capacity_ = 0;
+    size_t grown = std::max(bytes, capacity_ * 2);
+    JAXCOMM_CHECK_CUDA(cudaMallocHost(&base_, grown), "allocating the pinned staging buffer");
+    capacity_ = grown;
+    return ffi::Error::Success();
+  }
+
+  char* base() const { return static_cast<char*>(base_); }
+
+ private:
+  void* base_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+Arena& arena() {
+  static Arena instance;
+  return instance;
+}
+
+size_t round_up(size_t n) { return (n + 255) / 256 * 256; }
+
+size_t byte_size(const XLA_FFI_Buffer& b) {
+  size_t n = ffi::ByteWidth(static_cast<ffi::DataType>(b.dtype));
+  for (int64_t i = 0; i < b.rank; ++i) n *= static_cast<size_t>(b.dims[i]);
+  return n;
+}
+
+// Host stand-ins for the device buffers of one call.
+class Staging {
+ public:
+  // Views point into entries_, so it must never reallocate: no op has more than
+  // three buffers.
+  explicit Staging(cudaStream_t stream) : stream_(stream) { entries_.reserve(8); }
+
+  // Each argument of the host function, in order: device buffers become views of
+  // host memory; everything else passes through.
+  template <typename T>
+  T view(T value) {
+    return value;
+  }
+  host::Buffer view(host::Buffer b) { return host::Buffer(add(b, true)); }
+  host::Result view(host::Result r) { return host::Result(host::Buffer(add(*r, false))); }
+  host::Status view(host::Status s) { return host::Status(host::StatusBuffer(add(*s, false))); }
+
+  // Lays the buffers out in the arena and copies the inputs in. The views must all
+  // have been made: their data pointers are patched here.
+  ffi::Error copy_in() {
+    size_t total = 0;
+    for (Entry& e : entries_) {
+      if (e.alias < 0) {
+        e.offset = total;
+        total += round_up(byte_size(e.host));
+      }
+    }
+    if (auto err = arena().reserve(total); err.failure()) return err;
+    for (Entry& e : entries_) {
+      const Entry& owner = e.alias < 0 ? e : entries_[e.alias];
+      e.host.data = arena().base() + owner.offset;
+      if (e.input && e.alias < 0) {
+        JAXCOMM_CHECK_CUDA(cudaMemcpyAsync(e.host.data, e.device, byte_size(e.host),
+                                           cudaMemcpyDeviceToHost, stream_),
+                           "copying an input to the host");
+      }
+    }
+    JAXCOMM_CHECK_CUDA(cudaStreamSynchronize(stream_), "waiting for the inputs");
+    return ffi::Error::Success();
+  }
+
+  ffi::Error copy_out() {
+    for (const Entry& e : entries_) {
+      if (!e.input) {
+        JAXCOMM_CHECK_CUDA(cudaMemcpyAsync(e.device, e.host.data, byte_size(e.host),
+                                           cudaMemcpyHostToDevice, stream_),
+                           "copying a result to the device");
+      }
+    }
+    return ffi::Error::Success();
+  }
+
+ private:
+  struct Entry {
+    XLA_FFI_Buffer host;
+    void* device;
+    bool input;
+    int alias;  // index of an earlier entry with the same device memory, or -1
+    size_t offset;
+  };
+
+  template <typename B>
+  const XLA_FFI_Buffer* add(const B& b, bool input) {
+    auto dims = b.dimensions();
+    Entry e{};
+    e.host.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
+    e.host.dtype = static_cast<XLA_FFI_DataType>(b.element_type());
+    e.host.rank = static_cast<int64_t>(dims.size());
+    e.host.dims = const_cast<int64_t*>(dims.begin());
+    e.device = const_cast<void*>(b.untyped_data());
+    e.input = input;
+    e.alias = -1;
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      if (entries_[i].device == e.device && byte_size(e.host) > 0) e.alias = static_cast<int>(i);
+    }
+    entries_.push_back(e);
+    return &entries_.back().host;
+  }
+
+  cudaStream_t stream_;
+  std::vector<Entry> entries_;
+};
+
+// Operations whose host code hands buffers to MPI and never reads or writes their
+// contents itself: with a CUDA-aware MPI they take device pointers directly.
+constexpr bool takes_device_pointers(std::string_view op) {
+  return op == "allgather" || op == "alltoall" || op == "scatter" || op == "send" || op == "barrier";
+}
+
+template <auto Function, bool kDirect>
+struct Staged;
+
+template <typename... Args, ffi::Error (*Function)(Args...), bool kDirect>
+struct Staged<Function, kDirect> {
+  static ffi::Error Call(cudaStream_t stream, Args... args) {
+    if (kDirect && cuda_aware()) {
+      JAXCOMM_CHECK_CUDA(cudaStreamSynchronize(stream), "waiting for the inputs");
+      return Function(args...);
+    }
+    Staging staging(stream);
+    std::tuple<Args...> host_args{staging.view(args)...};  // braces: left to right
+    if (auto err = staging.copy_in(); err.failure()) return err;
+    if (auto err = std::apply(Function, host_args); err.failure()) return err;
+    return staging.copy_out();
+  }
+};
+
+}  // namespace
+
+#define JAXCOMM_DEFINE_CUDA_HANDLER(name, function, binding) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name##_cuda,                                     \
+                                (Staged<&host::function, takes_device_pointers(#name)>::Call), binding);
+JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CUDA_HANDLER, ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+#undef JAXCOMM_DEFINE_CUDA_HANDLER
+
+}  // namespace jaxcomm
+
+NB_MODULE(_jaxcomm_cuda, m) {
+  m.doc() = "jaxcomm's CUDA XLA FFI handlers.";
+  m.def("registrations", [] {
+    nb::dict targets;
+#define JAXCOMM_REGISTER(name, function, binding) \
+  targets["jaxcomm_" #name] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_##name##_cuda));
+    JAXCOMM_OPERATIONS(JAXCOMM_REGISTER, _)
+#undef JAXCOMM_REGISTER
+    return targets;
+  });
+  m.def("cuda_aware", &jaxcomm::cuda_aware,
+        "Whether device pointers go to MPI directly (JAXCOMM_CUDA_AWARE, or the MPI's own query).");
+}

@@ -1,0 +1,97 @@
+// jaxcomm's operations: the host-memory functions of mpi_cpu.cc, their XLA FFI
+// bindings and the one table of targets that both backends register from. The
+// CPU backend binds the functions directly; the CUDA backend (mpi_cuda.cc) binds
+// them behind staging, with XLA's CUDA stream as an extra context argument.
+#ifndef JAXCOMM_OPS_H_
+#define JAXCOMM_OPS_H_
+
+#include <cstdint>
+#include <string_view>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxcomm {
+
+namespace ffi = xla::ffi;
+
+namespace host {
+
+using Token = ffi::Token;
+using TokenOut = ffi::Result<ffi::Token>;
+using Buffer = ffi::AnyBuffer;
+using Result = ffi::Result<ffi::AnyBuffer>;
+using StatusBuffer = ffi::Buffer<ffi::DataType::S32, 1>;  // (source, tag)
+using Status = ffi::Result<StatusBuffer>;
+
+ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check, int32_t op);
+ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check, int32_t op,
+                  int32_t root);
+ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check, int32_t op);
+ffi::Error Exscan(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check, int32_t op);
+ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check,
+                         int32_t op);
+ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check, int32_t root);
+ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check, int32_t root);
+ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
+ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check, int32_t root);
+ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
+ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm, bool check, int32_t dest, int32_t tag);
+ffi::Error Recv(Token, Buffer like, TokenOut, Result out, Status status, int64_t comm, bool check,
+                int32_t source, int32_t tag);
+ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm, bool check,
+                    int32_t source, int32_t dest, int32_t sendtag, int32_t recvtag);
+ffi::Error Barrier(Token, TokenOut, int64_t comm, bool check);
+ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check,
+                           std::string_view operation);
+
+}  // namespace host
+
+// token, x -> token, out, after the backend's context arguments `base`; every op
+// names its communicator "comm" and its checking-mode flag "check".
+template <typename Binding>
+auto unary(Binding base) {
+  return std::move(base)
+      .template Arg<host::Token>()
+      .template Arg<host::Buffer>()
+      .template Ret<host::Token>()
+      .template Ret<host::Buffer>()
+      .template Attr<int64_t>("comm")
+      .template Attr<bool>("check");
+}
+
+template <typename Binding>
+auto point_to_point(Binding base) {
+  return std::move(base).template Arg<host::Token>().template Arg<host::Buffer>().template Ret<host::Token>();
+}
+
+// X(name, function, binding) for every operation: the FFI target is "jaxcomm_<name>"
+// on every platform.
+#define JAXCOMM_OPERATIONS(X, base)                                                          \
+  X(allreduce, Allreduce, unary(base).Attr<int32_t>("op"))                                    \
+  X(reduce, Reduce, unary(base).Attr<int32_t>("op").Attr<int32_t>("root"))                    \
+  X(scan, Scan, unary(base).Attr<int32_t>("op"))                                              \
+  X(exscan, Exscan, unary(base).Attr<int32_t>("op"))                                          \
+  X(reduce_scatter, ReduceScatter, unary(base).Attr<int32_t>("op"))                           \
+  X(bcast, Bcast, unary(base).Attr<int32_t>("root"))                                          \
+  X(gather, Gather, unary(base).Attr<int32_t>("root"))                                        \
+  X(allgather, Allgather, unary(base))                                                        \
+  X(scatter, Scatter, unary(base).Attr<int32_t>("root"))                                      \
+  X(alltoall, Alltoall, unary(base))                                                          \
+  X(send, Send,                                                                               \
+    point_to_point(base).Attr<int64_t>("comm").Attr<bool>("check").Attr<int32_t>("dest")      \
+        .Attr<int32_t>("tag"))                                                                \
+  X(recv, Recv,                                                                               \
+    point_to_point(base).Ret<host::Buffer>().Ret<host::StatusBuffer>().Attr<int64_t>("comm")  \
+        .Attr<bool>("check").Attr<int32_t>("source").Attr<int32_t>("tag"))                    \
+  X(sendrecv, Sendrecv,                                                                       \
+    point_to_point(base).Ret<host::Buffer>().Ret<host::StatusBuffer>().Attr<int64_t>("comm")  \
+        .Attr<bool>("check").Attr<int32_t>("source").Attr<int32_t>("dest")                    \
+        .Attr<int32_t>("sendtag").Attr<int32_t>("recvtag"))                                   \
+  X(barrier, Barrier,                                                                         \
+    base.Arg<host::Token>().Ret<host::Token>().Attr<int64_t>("comm").Attr<bool>("check"))     \
+  X(check_replicated, CheckReplicated, unary(base).Attr<std::string_view>("operation"))
+
+}  // namespace jaxcomm
+
+#endif  // JAXCOMM_OPS_H_
