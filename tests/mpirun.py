@@ -23,14 +23,11 @@ def is_open_mpi(launcher: str) -> bool:
     return "Open MPI" in out or "OpenRTE" in out or "prte" in out.lower()
 
 
-def run(nprocs: int, args: list[str], timeout: float, env: dict[str, str] | None = None):
-    """Run `python args...` on nprocs ranks; oversubscription is allowed and idle
-    ranks yield the CPU, so more ranks than cores neither fails nor stalls."""
-    launcher = mpiexec()
-    command = [launcher, "-n", str(nprocs)]
+def launch_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for mpiexec: oversubscription is allowed and idle ranks
+    yield the CPU, so more ranks than cores neither fails nor stalls."""
     full_env = dict(os.environ, **(env or {}))
-    if is_open_mpi(launcher):
-        command.append("--oversubscribe")
+    if is_open_mpi(mpiexec()):
         full_env.update(
             OMPI_ALLOW_RUN_AS_ROOT="1",
             OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -40,5 +37,15 @@ def run(nprocs: int, args: list[str], timeout: float, env: dict[str, str] | None
     # `python -m` would put the working directory (the repository root, holding the
     # uncompiled source tree) first on sys.path; import the installed jaxcomm.
     full_env["PYTHONSAFEPATH"] = "1"
+    return full_env
+
+
+def run(nprocs: int, args: list[str], timeout: float, env: dict[str, str] | None = None):
+    """Run `python args...` on nprocs ranks under launch_environment(env)."""
+    launcher = mpiexec()
+    command = [launcher, "-n", str(nprocs)]
+    if is_open_mpi(launcher):
+        command.append("--oversubscribe")
+    full_env = launch_environment(env)
     command += [sys.executable, *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env)

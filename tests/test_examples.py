@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mpirun import run
+from mpirun import launch_environment, run
 
 HERE = Path(__file__).parent
 EXAMPLES = HERE.parent / "examples"
@@ -104,7 +104,7 @@ def test_shallow_water_plot_and_scaling_table(tmp_path):
     table = subprocess.run(
         [sys.executable, str(EXAMPLES / "shallow_water_scaling.py"), "--ranks", "1", "2",
          "--nx", "24", "--ny", "12", "--days", "0.02"],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONSAFEPATH="1"),
+        capture_output=True, text=True, timeout=300, env=launch_environment(),
     )  # fmt: skip
     assert table.returncode == 0, table.stderr
     rows = table.stdout.splitlines()[2:]
