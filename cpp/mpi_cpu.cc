@@ -13,6 +13,7 @@
 #include <complex>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -342,6 +343,32 @@ void write_status(Status& status, const MPI_Status& s) {
   status->typed_data()[1] = s.MPI_TAG;
 }
 
+// Receive space for in-place sendrecv, kept between calls: MPI_Sendrecv_replace
+// allocates (and page-faults) a fresh buffer of the message's size every time.
+class ScratchLease {
+ public:
+  ScratchLease() : lock_(mutex()) {}
+  ~ScratchLease() {
+    if (buffer().size() > kKeep) std::vector<char>().swap(buffer());
+  }
+  char* reserve(size_t bytes) {
+    if (buffer().size() < bytes) buffer().resize(bytes);
+    return buffer().data();
+  }
+
+ private:
+  static constexpr size_t kKeep = size_t{256} << 20;
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::vector<char>& buffer() {
+    static std::vector<char> b;
+    return b;
+  }
+  std::lock_guard<std::mutex> lock_;
+};
+
 // A message shorter than the buffer is an error, not a partly written result.
 ffi::Error check_count(const MPI_Status& s, MPI_Datatype type, int expected, std::string_view op) {
   if (s.MPI_SOURCE == MPI_PROC_NULL) return ffi::Error::Success();
@@ -438,6 +465,8 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
     std::memset(out->untyped_data(), 0, out->size_bytes());
   }
   const size_t send_width = element_size(x), recv_width = ffi::ByteWidth(out->element_type());
+  ScratchLease scratch;  // in place: receive beside the data being sent, then copy
+  const bool receives = source != MPI_PROC_NULL;
   const int64_t send_count = x.element_count(), recv_count = out->element_count();
   const int64_t pieces_of = std::max(send_count, recv_count);
   MPI_Status s{};
@@ -447,11 +476,13 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
   const int result = for_each_piece(pieces_of, [&](int64_t offset, int n) {
         int sn = static_cast<int>(std::clamp<int64_t>(send_count - offset, 0, n));
         int rn = static_cast<int>(std::clamp<int64_t>(recv_count - offset, 0, n));
-        int code = in_place ? MPI_Sendrecv_replace(bytes(out) + offset * recv_width, rn, recv_type,
-                                                   dest, sendtag, source, recvtag, comm, &s)
-                            : MPI_Sendrecv(bytes(x) + offset * send_width, sn, send_type, dest, sendtag,
-                                           bytes(out) + offset * recv_width, rn, recv_type, source,
-                                           recvtag, comm, &s);
+        char* into = in_place ? scratch.reserve(static_cast<size_t>(rn) * recv_width)
+                              : bytes(out) + offset * recv_width;
+        int code = MPI_Sendrecv(bytes(x) + offset * send_width, sn, send_type, dest, sendtag, into, rn,
+                                recv_type, source, recvtag, comm, &s);
+        if (in_place && receives && code == MPI_SUCCESS) {
+          std::memcpy(bytes(out) + offset * recv_width, into, static_cast<size_t>(rn) * recv_width);
+        }
         if (offset == 0 && source != MPI_PROC_NULL) { source = s.MPI_SOURCE; recvtag = s.MPI_TAG; }
         if (code == MPI_SUCCESS) piece_error = check_count(s, recv_type, rn, "sendrecv");
         return piece_error.failure() ? MPI_ERR_OTHER : code;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import jax
@@ -42,6 +43,67 @@ def _static_int(operation: str, name: str, value: Any) -> int:
 
 def _check_from_environment() -> bool:
     return os.environ.get("JAXCOMM_CHECK", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def _dispatch(body, *arrays: Any, **static: Any) -> Any:
+    """body(*arrays, **static), inline while tracing; otherwise as one cached jitted
+    call: JAX dispatches that faster than the primitives one by one, and a pytree
+    becomes one dispatch instead of one per leaf."""
+    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(arrays)):
+        return body(*arrays, **static)
+    return _jitted(body, tuple(sorted(static.items())), *arrays)
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _jitted(body, static, *arrays):
+    return body(*arrays, **dict(static))
+
+
+#: Leaves smaller than this many bytes travel together: one message per dtype.
+FUSE_BELOW_BYTES = 1 << 16
+
+
+def _map_leaves(leaves, *, fn, fuse=False, **params):
+    """fn(leaf) for every leaf. With `fuse` (for element-wise ops), small leaves
+    of one dtype are flattened into one array so that they cost one MPI call."""
+    results = list(leaves)
+    groups: dict[Any, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if fuse and leaf.size * leaf.dtype.itemsize < FUSE_BELOW_BYTES:
+            groups.setdefault(leaf.dtype, []).append(i)
+        else:
+            results[i] = fn(leaf, **params)
+    for members in groups.values():  # in order of first appearance: the same on every rank
+        if len(members) == 1:
+            results[members[0]] = fn(leaves[members[0]], **params)
+            continue
+        flat = fn(jnp.concatenate([jnp.ravel(leaves[i]) for i in members]), **params)
+        offsets = np.cumsum([0] + [leaves[i].size for i in members])
+        for i, start, stop in zip(members, offsets[:-1], offsets[1:], strict=True):
+            results[i] = flat[start:stop].reshape(leaves[i].shape)
+    return results
+
+
+def _send_leaves(leaves, *, comm, dest, tag):
+    for leaf in leaves:
+        _p2p.send(leaf, comm=comm, dest=dest, tag=tag)
+
+
+def _recv_leaves(leaves, *, comm, source, tag):
+    results, status = [], jnp.array([source, tag], np.int32)
+    for leaf in leaves:
+        out, status = _p2p.recv(leaf, comm=comm, source=source, tag=tag)
+        results.append(out)
+    return results, status
+
+
+def _sendrecv_leaves(send_leaves, *, comm, templates, source, dest, sendtag, recvtag):
+    results, status = [], jnp.array([source, recvtag], np.int32)
+    for leaf, (shape, dtype) in zip(send_leaves, templates, strict=True):
+        out, status = _p2p.sendrecv(leaf, comm=comm, shape=shape, dtype=dtype, source=source,
+                                    dest=dest, sendtag=sendtag, recvtag=recvtag)  # fmt: skip
+        results.append(out)
+    return results, status
 
 
 def _signed64(handle: int) -> int:
@@ -204,29 +266,41 @@ class JaxComm:
             )
 
     def _apply(
-        self, operation: str, fn, x: PyTree, *, leading_axis: bool = False, **params
+        self,
+        operation: str,
+        fn,
+        x: PyTree,
+        *,
+        leading_axis: bool = False,
+        elementwise: bool = False,
+        **params,
     ) -> PyTree:
-        """Check x's leaves and apply the single-array op `fn` to each of them."""
+        """Check x's leaves and apply the single-array op `fn` to each of them
+        (small leaves together, when the op is element-wise)."""
         leaves, tree = self._leaves(operation, x, params.get("op"))
         if leading_axis:
             for leaf in leaves:
                 self._leading_axis(operation, leaf)
-        comm = self._comm
-        return jax.tree.unflatten(tree, [fn(leaf, comm=comm, **params) for leaf in leaves])
+        results = _dispatch(
+            _map_leaves, leaves, fn=fn, fuse=elementwise, comm=self._comm, **params
+        )
+        return jax.tree.unflatten(tree, results)
 
     # -- reductions ---------------------------------------------------------------
     def allreduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Element-wise reduction over all ranks, on every rank. Same shapes as x."""
-        return self._apply("allreduce", _reductions.allreduce, x, op=as_reduce_op(op))
+        op = as_reduce_op(op)
+        return self._apply("allreduce", _reductions.allreduce, x, elementwise=True, op=op)
 
     def reduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM, root: int = 0) -> PyTree:
         """The reduction on root; other ranks get x back unchanged. Same shapes as x."""
         root = self._rank("reduce", "root", root)
-        return self._apply("reduce", _reductions.reduce, x, op=as_reduce_op(op), root=root)
+        op = as_reduce_op(op)
+        return self._apply("reduce", _reductions.reduce, x, elementwise=True, op=op, root=root)
 
     def scan(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Inclusive prefix reduction: rank r gets op(x_0, ..., x_r). Same shapes as x."""
-        return self._apply("scan", _reductions.scan, x, op=as_reduce_op(op))
+        return self._apply("scan", _reductions.scan, x, elementwise=True, op=as_reduce_op(op))
 
     def exscan(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Exclusive prefix reduction: rank r gets op(x_0, ..., x_{r-1}).
@@ -234,7 +308,8 @@ class JaxComm:
         Rank 0 gets the identity of op (0 for SUM, 1 for PROD, the dtype's lowest
         value for MAX, ...) where MPI would leave it undefined. Same shapes as x.
         """
-        return self._apply("exscan", _reductions.exscan, x, op=as_reduce_op(op))
+        op = as_reduce_op(op)
+        return self._apply("exscan", _reductions.exscan, x, elementwise=True, op=op)
 
     def reduce_scatter(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """x: ``(size, *s)`` on every rank; rank r gets row r of the reduction, shape s."""
@@ -247,7 +322,7 @@ class JaxComm:
     def bcast(self, x: PyTree, root: int = 0) -> PyTree:
         """Root's x on every rank. Non-root ranks pass an array of the same shape."""
         root = self._rank("bcast", "root", root)
-        return self._apply("bcast", _collectives.bcast, x, root=root)
+        return self._apply("bcast", _collectives.bcast, x, elementwise=True, root=root)
 
     def gather(self, x: PyTree, root: int = 0) -> PyTree:
         """On root, ``(size, *x.shape)`` with rank i's x in row i; other ranks get x back."""
@@ -279,9 +354,7 @@ class JaxComm:
         dest = self._rank("send", "dest", dest, MPI.PROC_NULL)
         tag = self._tag("send", "tag", tag)
         leaves, _ = self._leaves("send", x)
-        comm = self._comm
-        for leaf in leaves:
-            _p2p.send(leaf, comm=comm, dest=dest, tag=tag)
+        _dispatch(_send_leaves, leaves, comm=self._comm, dest=dest, tag=tag)
         return self
 
     def recv(
@@ -302,11 +375,7 @@ class JaxComm:
         leaves, tree = self._leaves("recv", x)
         if len(leaves) > 1 and source == MPI.ANY_SOURCE:
             raise ValueError("recv: a pytree with several arrays needs an explicit source")
-        comm = self._comm
-        results, status = [], jnp.array([source, tag], np.int32)
-        for leaf in leaves:
-            out, status = _p2p.recv(leaf, comm=comm, source=source, tag=tag)
-            results.append(out)
+        results, status = _dispatch(_recv_leaves, leaves, comm=self._comm, source=source, tag=tag)
         result = jax.tree.unflatten(tree, results)
         return (result, Status(status[0], status[1])) if return_status else result
 
@@ -341,20 +410,10 @@ class JaxComm:
                 )
         if len(send_leaves) > 1 and source == MPI.ANY_SOURCE:
             raise ValueError("sendrecv: a pytree with several arrays needs an explicit source")
-        comm = self._comm
-        results, status = [], jnp.array([source, recvtag], np.int32)
-        for s, r in zip(send_leaves, recv_leaves, strict=True):
-            out, status = _p2p.sendrecv(
-                s,
-                comm=comm,
-                shape=r.shape,
-                dtype=r.dtype,
-                source=source,
-                dest=dest,
-                sendtag=sendtag,
-                recvtag=recvtag,
-            )
-            results.append(out)
+        templates = tuple((r.shape, r.dtype) for r in recv_leaves)
+        results, status = _dispatch(_sendrecv_leaves, send_leaves, comm=self._comm,
+                                    templates=templates, source=source, dest=dest,
+                                    sendtag=sendtag, recvtag=recvtag)  # fmt: skip
         result = jax.tree.unflatten(tree, results)
         return (result, Status(status[0], status[1])) if return_status else result
 

@@ -1,0 +1,47 @@
+"""Donated inputs: the ops that may run in place reuse the input's buffer (no
+second array) and give the same values as out of place."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from data import assert_values, rank_data
+from mpi4py import MPI
+
+IN_PLACE = {
+    "allreduce": lambda comm: comm.allreduce,
+    "reduce": lambda comm: lambda x: comm.reduce(x, root=comm.size - 1),
+    "scan": lambda comm: comm.scan,
+    "exscan": lambda comm: comm.exscan,
+    "bcast": lambda comm: lambda x: comm.bcast(x, root=comm.size - 1),
+    "sendrecv ring": lambda comm: lambda x: comm.sendrecv(
+        x, source=(comm.rank - 1) % comm.size, dest=(comm.rank + 1) % comm.size
+    ),
+    "sendrecv line": lambda comm: lambda x: comm.sendrecv(
+        x,
+        source=comm.rank - 1 if comm.rank > 0 else MPI.PROC_NULL,
+        dest=comm.rank + 1 if comm.rank < comm.size - 1 else MPI.PROC_NULL,
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", "complex128"])
+@pytest.mark.parametrize("name", list(IN_PLACE))
+def test_donated_input_is_reused(comm, name, dtype):
+    fn = IN_PLACE[name](comm)
+    x = rank_data(comm.rank, (64, 3), dtype)
+    expected = np.asarray(jax.jit(fn)(jnp.asarray(x)))
+    donated = jnp.asarray(x)
+    pointer = donated.unsafe_buffer_pointer()
+    got = jax.jit(fn, donate_argnums=0)(donated)
+    assert donated.is_deleted()
+    assert got.unsafe_buffer_pointer() == pointer
+    assert_values(got, expected)
+
+
+def test_in_place_sendrecv_in_a_loop(comm):
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    step = lambda i, x: comm.sendrecv(x, source=left, dest=right)  # noqa: E731
+    loop = jax.jit(lambda x: jax.lax.fori_loop(0, comm.size + 1, step, x), donate_argnums=0)
+    got = loop(jnp.full((1000,), comm.rank, jnp.float32))
+    assert_values(got, np.full(1000, left, np.float32))  # size + 1 shifts = one shift
