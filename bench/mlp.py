@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).parent))
-import backends as B  # noqa: E402
+import backends as B
 
 WIDTH, DEPTH, BATCH = 512, 5, 64
 
@@ -107,16 +107,24 @@ def main(argv=None):
 
     if comm.rank == 0:
         base = statistics.median(times["no-communication"])
-        print(f"# MLP: {len(jax.tree.leaves(params))} arrays, {n_params} parameters, "
-              f"batch {BATCH} per rank, {comm.size} ranks")  # fmt: skip
+        print(
+            f"# MLP: {len(jax.tree.leaves(params))} arrays, {n_params} parameters, "
+            f"batch {BATCH} per rank, {comm.size} ranks"
+        )
         print(f"{'averaging':<18}{'ms/step':>10}{'x no-comm':>11}")
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / "mlp.jsonl", "w") as f:
             for name, samples in times.items():
                 median = statistics.median(samples)
                 print(f"{name:<18}{median * 1e3:>10.3f}{median / base:>11.2f}")
-                record = {"workload": "mlp", "backend": name, "median_ms": median * 1e3,
-                          "min_ms": min(samples) * 1e3, "ranks": comm.size, "params": n_params}  # fmt: skip
+                record = {
+                    "workload": "mlp",
+                    "backend": name,
+                    "median_ms": median * 1e3,
+                    "min_ms": min(samples) * 1e3,
+                    "ranks": comm.size,
+                    "params": n_params,
+                }
                 f.write(json.dumps(record) + "\n")
     comm.Free()
 

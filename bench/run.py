@@ -25,7 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).parent))
-import backends as B  # noqa: E402
+import backends as B
 
 HERE = Path(__file__).parent
 
@@ -182,12 +182,15 @@ def plot(records: list[dict], path: Path) -> None:
     cols = min(4, len(ops))
     rows = math.ceil(len(ops) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
-    for ax, op in zip(axes.flat, ops):
+    for ax, op in zip(axes.flat, ops, strict=False):
         for name in dict.fromkeys(r["backend"] for r in records):
-            points = sorted((r["bytes"], r["median_us"]) for r in records
-                            if r["op"] == op and r["backend"] == name)  # fmt: skip
+            points = sorted(
+                (r["bytes"], r["median_us"])
+                for r in records
+                if r["op"] == op and r["backend"] == name
+            )
             if points:
-                ax.loglog(*zip(*points), marker=".", label=name)
+                ax.loglog(*zip(*points, strict=True), marker=".", label=name)
         ax.set_title(op)
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("time per call (us)")
@@ -195,7 +198,10 @@ def plot(records: list[dict], path: Path) -> None:
     for ax in list(axes.flat)[len(ops) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize="small")
-    fig.suptitle(f"jaxcomm benchmark, {records[0]['ranks']} ranks, {MPI.Get_library_version().split(chr(10))[0][:60]}")
+    fig.suptitle(
+        f"jaxcomm benchmark, {records[0]['ranks']} ranks, "
+        f"{MPI.Get_library_version().splitlines()[0][:60]}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -204,10 +210,13 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     comm = MPI.COMM_WORLD.Dup()
     args.out.mkdir(parents=True, exist_ok=True)
-    out_file = open(args.out / "latency.jsonl", "w") if comm.rank == 0 else None
+    # Rank 0 writes the records as they come, so an interrupted run keeps them.
+    out_file = open(args.out / "latency.jsonl", "w") if comm.rank == 0 else None  # noqa: SIM115
     if comm.rank == 0:
-        print(f"# {comm.size} ranks; {MPI.Get_library_version().splitlines()[0].strip()}; "
-              f"Python {platform.python_version()}; min-time {args.min_time}s; reps {args.reps}")  # fmt: skip
+        print(
+            f"# {comm.size} ranks; {MPI.Get_library_version().splitlines()[0].strip()}; "
+            f"Python {platform.python_version()}; min-time {args.min_time}s; reps {args.reps}"
+        )
     records = measure(comm, args, out_file)
     if comm.rank == 0:
         out_file.close()

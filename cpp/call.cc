@@ -83,7 +83,7 @@ void start_watchdog() {
 }
 
 const char* reduce_op_name(int32_t op) {
-  static const char* names[] = {"sum", "prod", "max", "min", "land",
+  static const char* names[] = {"sum", "prod", "max",  "min", "land",
                                 "lor", "lxor", "band", "bor", "bxor"};
   return op >= 0 && op < 10 ? names[op] : "?";
 }
@@ -91,22 +91,38 @@ const char* reduce_op_name(int32_t op) {
 const char* dtype_name(ffi::DataType dtype) {
   using D = ffi::DataType;
   switch (dtype) {
-    case D::PRED: return "bool";
-    case D::S8: return "int8";
-    case D::S16: return "int16";
-    case D::S32: return "int32";
-    case D::S64: return "int64";
-    case D::U8: return "uint8";
-    case D::U16: return "uint16";
-    case D::U32: return "uint32";
-    case D::U64: return "uint64";
-    case D::F16: return "float16";
-    case D::BF16: return "bfloat16";
-    case D::F32: return "float32";
-    case D::F64: return "float64";
-    case D::C64: return "complex64";
-    case D::C128: return "complex128";
-    default: return "unsupported";
+    case D::PRED:
+      return "bool";
+    case D::S8:
+      return "int8";
+    case D::S16:
+      return "int16";
+    case D::S32:
+      return "int32";
+    case D::S64:
+      return "int64";
+    case D::U8:
+      return "uint8";
+    case D::U16:
+      return "uint16";
+    case D::U32:
+      return "uint32";
+    case D::U64:
+      return "uint64";
+    case D::F16:
+      return "float16";
+    case D::BF16:
+      return "bfloat16";
+    case D::F32:
+      return "float32";
+    case D::F64:
+      return "float64";
+    case D::C64:
+      return "complex64";
+    case D::C128:
+      return "complex128";
+    default:
+      return "unsupported";
   }
 }
 
@@ -122,9 +138,12 @@ constexpr int kDescription = 160;
 
 std::string human_bytes(double n) {
   char text[32];
-  if (n < 1024) std::snprintf(text, sizeof text, "%.0f B", n);
-  else if (n < 1 << 20) std::snprintf(text, sizeof text, "%.1f KiB", n / 1024);
-  else std::snprintf(text, sizeof text, "%.1f MiB", n / (1 << 20));
+  if (n < 1024)
+    std::snprintf(text, sizeof text, "%.0f B", n);
+  else if (n < 1 << 20)
+    std::snprintf(text, sizeof text, "%.1f KiB", n / 1024);
+  else
+    std::snprintf(text, sizeof text, "%.1f MiB", n / (1 << 20));
   return text;
 }
 
@@ -225,7 +244,8 @@ Call::~Call() {
     if (!peers_.empty()) line += " " + peers_.substr(2);
     int64_t elements = 1;
     for (int64_t d : dims_) elements *= d;
-    if (has_array_) line += " " + human_bytes(static_cast<double>(elements) * ffi::ByteWidth(dtype_));
+    if (has_array_)
+      line += " " + human_bytes(static_cast<double>(elements) * ffi::ByteWidth(dtype_));
     char tail[48];
     std::snprintf(tail, sizeof tail, " %.1f us\n", us);
     line += tail;
@@ -238,15 +258,17 @@ ffi::Error Call::agree() {
   const std::string mine = description();
   const uint64_t h = fnv1a(mine);
   uint64_t seen[2] = {h, ~h};  // max of h and of ~h: the largest and smallest hash
-  JAXCOMM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, seen, 2, MPI_UINT64_T, MPI_MAX, comm_), "check", comm_);
+  JAXCOMM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, seen, 2, MPI_UINT64_T, MPI_MAX, comm_), "check",
+                    comm_);
   if (seen[0] == h && ~seen[1] == h) return ffi::Error::Success();
   int size = 0;
   MPI_Comm_size(comm_, &size);
   std::vector<char> all(static_cast<size_t>(size) * kDescription, '\0');
   char own[kDescription] = {};
   std::strncpy(own, mine.c_str(), kDescription - 1);
-  JAXCOMM_CHECK_MPI(MPI_Allgather(own, kDescription, MPI_CHAR, all.data(), kDescription, MPI_CHAR, comm_),
-                    "check", comm_);
+  JAXCOMM_CHECK_MPI(
+      MPI_Allgather(own, kDescription, MPI_CHAR, all.data(), kDescription, MPI_CHAR, comm_),
+      "check", comm_);
   auto of = [&](int r) { return std::string(all.data() + static_cast<size_t>(r) * kDescription); };
   int other = 1;
   while (other < size && of(other) == of(0)) ++other;
@@ -273,9 +295,10 @@ ffi::Error Call::check_header(const MPI_Status& status) const {
   MPI_Get_count(&status, MPI_BYTE, &bytes);
   if (bytes == sizeof incoming_ && std::memcmp(incoming_.magic, kMagic, sizeof kMagic) == 0)
     return ffi::Error::Success();
-  return invalid_argument(op_, "checking mode: the message from rank " + std::to_string(status.MPI_SOURCE) +
-                                   " carries no jaxcomm header; checking mode must be on for every rank "
-                                   "of the communicator (JAXCOMM_CHECK=1 or JaxComm(..., check=True))");
+  return invalid_argument(
+      op_, "checking mode: the message from rank " + std::to_string(status.MPI_SOURCE) +
+               " carries no jaxcomm header; checking mode must be on for every rank "
+               "of the communicator (JAXCOMM_CHECK=1 or JaxComm(..., check=True))");
 }
 
 ffi::Error Call::send_header(int dest, int tag, int64_t pieces) {
@@ -294,13 +317,15 @@ ffi::Error Call::mismatch(int source, int tag) {
     int bytes = 0;
     MPI_Get_count(&status, MPI_BYTE, &bytes);
     std::vector<char> scratch(static_cast<size_t>(bytes));
-    JAXCOMM_CHECK_MPI(MPI_Mrecv(scratch.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE), op_, comm_);
+    JAXCOMM_CHECK_MPI(MPI_Mrecv(scratch.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE), op_,
+                      comm_);
   }
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                    "jaxcomm check: " + std::string(op_) + " on rank " + std::to_string(comm_rank(comm_)) +
-                        " receives into " + receiving_ + " but rank " +
-                        std::to_string(source) + " sent " + std::string(incoming_.array) + " (tag " +
-                        std::to_string(tag) + "); the dtype and number of elements must match");
+                    "jaxcomm check: " + std::string(op_) + " on rank " +
+                        std::to_string(comm_rank(comm_)) + " receives into " + receiving_ +
+                        " but rank " + std::to_string(source) + " sent " +
+                        std::string(incoming_.array) + " (tag " + std::to_string(tag) +
+                        "); the dtype and number of elements must match");
 }
 
 bool Call::header_matches(ffi::DataType dtype, ffi::Span<const int64_t> dims) {
@@ -310,10 +335,12 @@ bool Call::header_matches(ffi::DataType dtype, ffi::Span<const int64_t> dims) {
   return incoming_.dtype == static_cast<int32_t>(dtype) && incoming_.count == count;
 }
 
-ffi::Error Call::recv_header(int* source, int* tag, ffi::DataType dtype, ffi::Span<const int64_t> dims) {
+ffi::Error Call::recv_header(int* source, int* tag, ffi::DataType dtype,
+                             ffi::Span<const int64_t> dims) {
   if (!check_ || *source == MPI_PROC_NULL) return ffi::Error::Success();
   MPI_Status status;
-  JAXCOMM_CHECK_MPI(MPI_Recv(&incoming_, sizeof incoming_, MPI_BYTE, *source, *tag, comm_, &status), op_, comm_);
+  JAXCOMM_CHECK_MPI(MPI_Recv(&incoming_, sizeof incoming_, MPI_BYTE, *source, *tag, comm_, &status),
+                    op_, comm_);
   if (auto err = check_header(status); err.failure()) return err;
   *source = status.MPI_SOURCE;
   *tag = status.MPI_TAG;
@@ -327,8 +354,8 @@ ffi::Error Call::sendrecv_header(int dest, int sendtag, int64_t send_pieces, int
   if (!check_) return ffi::Error::Success();
   MessageHeader out = make_header(send_pieces);
   MPI_Status status;
-  JAXCOMM_CHECK_MPI(MPI_Sendrecv(&out, sizeof out, MPI_BYTE, dest, sendtag, &incoming_, sizeof incoming_,
-                                 MPI_BYTE, *source, *recvtag, comm_, &status),
+  JAXCOMM_CHECK_MPI(MPI_Sendrecv(&out, sizeof out, MPI_BYTE, dest, sendtag, &incoming_,
+                                 sizeof incoming_, MPI_BYTE, *source, *recvtag, comm_, &status),
                     op_, comm_);
   if (*source == MPI_PROC_NULL) return ffi::Error::Success();
   if (auto err = check_header(status); err.failure()) return err;

@@ -70,19 +70,24 @@ void fill(void* out, int64_t n, T value) {
 template <typename T>
 void fill_identity_as(void* out, int64_t n, ReduceOp op) {
   switch (op) {
-    case ReduceOp::kProd: case ReduceOp::kLand: return fill<T>(out, n, T(1));
+    case ReduceOp::kProd:
+    case ReduceOp::kLand:
+      return fill<T>(out, n, T(1));
     case ReduceOp::kBand:
       if constexpr (std::is_integral_v<T>) return fill<T>(out, n, static_cast<T>(~T(0)));
       break;
     case ReduceOp::kMax:
-      if constexpr (std::is_floating_point_v<T>) return fill<T>(out, n, -std::numeric_limits<T>::infinity());
+      if constexpr (std::is_floating_point_v<T>)
+        return fill<T>(out, n, -std::numeric_limits<T>::infinity());
       if constexpr (std::is_integral_v<T>) return fill<T>(out, n, std::numeric_limits<T>::lowest());
       break;
     case ReduceOp::kMin:
-      if constexpr (std::is_floating_point_v<T>) return fill<T>(out, n, std::numeric_limits<T>::infinity());
+      if constexpr (std::is_floating_point_v<T>)
+        return fill<T>(out, n, std::numeric_limits<T>::infinity());
       if constexpr (std::is_integral_v<T>) return fill<T>(out, n, std::numeric_limits<T>::max());
       break;
-    default: break;
+    default:
+      break;
   }
   std::memset(out, 0, n * sizeof(T));
 }
@@ -90,29 +95,44 @@ void fill_identity_as(void* out, int64_t n, ReduceOp op) {
 void fill_identity(void* out, int64_t n, ffi::DataType dtype, ReduceOp op) {
   using D = ffi::DataType;
   switch (dtype) {
-    case D::PRED: return fill<uint8_t>(out, n, op == ReduceOp::kLand || op == ReduceOp::kBand ||
-                                                       op == ReduceOp::kMin);
-    case D::S8: return fill_identity_as<int8_t>(out, n, op);
-    case D::S16: return fill_identity_as<int16_t>(out, n, op);
-    case D::S32: return fill_identity_as<int32_t>(out, n, op);
-    case D::S64: return fill_identity_as<int64_t>(out, n, op);
-    case D::U8: return fill_identity_as<uint8_t>(out, n, op);
-    case D::U16: return fill_identity_as<uint16_t>(out, n, op);
-    case D::U32: return fill_identity_as<uint32_t>(out, n, op);
-    case D::U64: return fill_identity_as<uint64_t>(out, n, op);
-    case D::F32: return fill_identity_as<float>(out, n, op);
-    case D::F64: return fill_identity_as<double>(out, n, op);
-    case D::C64: return fill<std::complex<float>>(out, n, op == ReduceOp::kProd ? 1.0f : 0.0f);
-    case D::C128: return fill<std::complex<double>>(out, n, op == ReduceOp::kProd ? 1.0 : 0.0);
-    case D::F16: case D::BF16: {
+    case D::PRED:
+      return fill<uint8_t>(out, n,
+                           op == ReduceOp::kLand || op == ReduceOp::kBand || op == ReduceOp::kMin);
+    case D::S8:
+      return fill_identity_as<int8_t>(out, n, op);
+    case D::S16:
+      return fill_identity_as<int16_t>(out, n, op);
+    case D::S32:
+      return fill_identity_as<int32_t>(out, n, op);
+    case D::S64:
+      return fill_identity_as<int64_t>(out, n, op);
+    case D::U8:
+      return fill_identity_as<uint8_t>(out, n, op);
+    case D::U16:
+      return fill_identity_as<uint16_t>(out, n, op);
+    case D::U32:
+      return fill_identity_as<uint32_t>(out, n, op);
+    case D::U64:
+      return fill_identity_as<uint64_t>(out, n, op);
+    case D::F32:
+      return fill_identity_as<float>(out, n, op);
+    case D::F64:
+      return fill_identity_as<double>(out, n, op);
+    case D::C64:
+      return fill<std::complex<float>>(out, n, op == ReduceOp::kProd ? 1.0f : 0.0f);
+    case D::C128:
+      return fill<std::complex<double>>(out, n, op == ReduceOp::kProd ? 1.0 : 0.0);
+    case D::F16:
+    case D::BF16: {
       const bool bf = dtype == D::BF16;
-      float value = op == ReduceOp::kProd ? 1.0f
+      float value = op == ReduceOp::kProd  ? 1.0f
                     : op == ReduceOp::kMax ? -std::numeric_limits<float>::infinity()
                     : op == ReduceOp::kMin ? std::numeric_limits<float>::infinity()
                                            : 0.0f;
       return fill<uint16_t>(out, n, bf ? half::float_to_bf16(value) : half::float_to_f16(value));
     }
-    default: std::memset(out, 0, n * ffi::ByteWidth(dtype));
+    default:
+      std::memset(out, 0, n * ffi::ByteWidth(dtype));
   }
 }
 
@@ -126,14 +146,24 @@ void to_truth(void* out, int64_t n) {
 
 void normalize_logical(void* out, int64_t n, ffi::DataType dtype, int32_t op) {
   auto reduce_op = static_cast<ReduceOp>(op);
-  if (reduce_op != ReduceOp::kLand && reduce_op != ReduceOp::kLor && reduce_op != ReduceOp::kLxor) return;
+  if (reduce_op != ReduceOp::kLand && reduce_op != ReduceOp::kLor && reduce_op != ReduceOp::kLxor)
+    return;
   using D = ffi::DataType;
   switch (dtype) {
-    case D::S8: case D::U8: return to_truth<uint8_t>(out, n);
-    case D::S16: case D::U16: return to_truth<uint16_t>(out, n);
-    case D::S32: case D::U32: return to_truth<uint32_t>(out, n);
-    case D::S64: case D::U64: return to_truth<uint64_t>(out, n);
-    default: return;
+    case D::S8:
+    case D::U8:
+      return to_truth<uint8_t>(out, n);
+    case D::S16:
+    case D::U16:
+      return to_truth<uint16_t>(out, n);
+    case D::S32:
+    case D::U32:
+      return to_truth<uint32_t>(out, n);
+    case D::S64:
+    case D::U64:
+      return to_truth<uint64_t>(out, n);
+    default:
+      return;
   }
 }
 
@@ -142,7 +172,8 @@ void normalize_logical(void* out, int64_t n, ffi::DataType dtype, int32_t op) {
 // ---------------------------------------------------------------------------
 // Reductions
 
-ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check, int32_t op) {
+ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+                     int32_t op) {
   Call call(comm_handle, check, "allreduce", x.element_type(), x.dimensions());
   if (auto err = call.reduce_op(op).agree(); err.failure()) return err;
   MPI_Comm comm = call.comm();
@@ -158,8 +189,8 @@ ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle,
   return ffi::Error::Success();
 }
 
-ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check, int32_t op,
-                  int32_t root) {
+ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+                  int32_t op, int32_t root) {
   Call call(comm_handle, check, "reduce", x.element_type(), x.dimensions());
   if (auto err = call.reduce_op(op).param("root", root).agree(); err.failure()) return err;
   MPI_Comm comm = call.comm();
@@ -173,8 +204,9 @@ ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bo
                                   out->untyped_data(), x.element_count(), type,
                                   [&](const void* i, void* o, int n) {
                                     // Non-root: send our data, receive nothing.
-                                    return is_root ? MPI_Reduce(i, o, n, type, mpi, root, comm)
-                                                   : MPI_Reduce(o, nullptr, n, type, mpi, root, comm);
+                                    return is_root
+                                               ? MPI_Reduce(i, o, n, type, mpi, root, comm)
+                                               : MPI_Reduce(o, nullptr, n, type, mpi, root, comm);
                                   }),
                     "reduce", comm);
   if (is_root) normalize_logical(out->untyped_data(), x.element_count(), x.element_type(), op);
@@ -200,7 +232,8 @@ ffi::Error scan(Buffer x, Result out, int64_t comm_handle, bool check, int32_t o
                     name, comm);
   // MPI leaves exscan's rank-0 result undefined; ours is the identity of op.
   if (kExclusive && comm_rank(comm) == 0) {
-    fill_identity(out->untyped_data(), x.element_count(), x.element_type(), static_cast<ReduceOp>(op));
+    fill_identity(out->untyped_data(), x.element_count(), x.element_type(),
+                  static_cast<ReduceOp>(op));
   } else {
     normalize_logical(out->untyped_data(), x.element_count(), x.element_type(), op);
   }
@@ -209,11 +242,13 @@ ffi::Error scan(Buffer x, Result out, int64_t comm_handle, bool check, int32_t o
 
 }  // namespace
 
-ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check, int32_t op) {
+ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+                int32_t op) {
   return scan<false>(x, out, comm_handle, check, op);
 }
 
-ffi::Error Exscan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check, int32_t op) {
+ffi::Error Exscan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+                  int32_t op) {
   return scan<true>(x, out, comm_handle, check, op);
 }
 
@@ -239,11 +274,12 @@ ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_han
   const int64_t row_bytes = block * element_size(x);
   for (int root = 0; root < size; ++root) {
     const char* row = bytes(x) + root * row_bytes;
-    JAXCOMM_CHECK_MPI(for_each_piece(block, [&](int64_t offset, int n) {
-                        const char* i = row + offset * element_size(x);
-                        char* o = bytes(out) + offset * element_size(x);
-                        return MPI_Reduce(i, o, n, type, mpi, root, comm);
-                      }),
+    JAXCOMM_CHECK_MPI(for_each_piece(block,
+                                     [&](int64_t offset, int n) {
+                                       const char* i = row + offset * element_size(x);
+                                       char* o = bytes(out) + offset * element_size(x);
+                                       return MPI_Reduce(i, o, n, type, mpi, root, comm);
+                                     }),
                       "reduce_scatter", comm);
   }
   normalize_logical(out->untyped_data(), block, x.element_type(), op);
@@ -253,21 +289,25 @@ ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_han
 // ---------------------------------------------------------------------------
 // Data movement
 
-ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check, int32_t root) {
+ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+                 int32_t root) {
   Call call(comm_handle, check, "bcast", x.element_type(), x.dimensions());
   if (auto err = call.param("root", root).agree(); err.failure()) return err;
   MPI_Comm comm = call.comm();
   MPI_Datatype type;
   if (auto err = datatype_of(x, "bcast", &type); err.failure()) return err;
   if (comm_rank(comm) == root) copy_if_distinct(out, x);
-  JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(), [&](int64_t offset, int n) {
-                      return MPI_Bcast(bytes(out) + offset * element_size(x), n, type, root, comm);
-                    }),
+  JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
+                                   [&](int64_t offset, int n) {
+                                     return MPI_Bcast(bytes(out) + offset * element_size(x), n,
+                                                      type, root, comm);
+                                   }),
                     "bcast", comm);
   return ffi::Error::Success();
 }
 
-ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check, int32_t root) {
+ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+                  int32_t root) {
   Call call(comm_handle, check, "gather", x.element_type(), x.dimensions());
   if (auto err = call.param("root", root).agree(); err.failure()) return err;
   MPI_Comm comm = call.comm();
@@ -294,13 +334,14 @@ ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle,
   MPI_Datatype type;
   if (auto err = datatype_of(x, "allgather", &type); err.failure()) return err;
   Block block(x.element_count(), type);
-  JAXCOMM_CHECK_MPI(MPI_Allgather(x.untyped_data(), block.count(), block.type(), out->untyped_data(),
-                                  block.count(), block.type(), comm),
+  JAXCOMM_CHECK_MPI(MPI_Allgather(x.untyped_data(), block.count(), block.type(),
+                                  out->untyped_data(), block.count(), block.type(), comm),
                     "allgather", comm);
   return ffi::Error::Success();
 }
 
-ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check, int32_t root) {
+ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+                   int32_t root) {
   Call call(comm_handle, check, "scatter", out->element_type(), out->dimensions());
   if (auto err = call.param("root", root).agree(); err.failure()) return err;
   MPI_Comm comm = call.comm();
@@ -383,49 +424,56 @@ ffi::Error check_count(const MPI_Status& s, MPI_Datatype type, int expected, std
 
 }  // namespace
 
-ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_handle, bool check, int32_t dest, int32_t tag) {
+ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_handle, bool check, int32_t dest,
+                int32_t tag) {
   Call call(comm_handle, check, "send", x.element_type(), x.dimensions());
   call.peer("dest", dest).peer("tag", tag);
   MPI_Comm comm = call.comm();
   MPI_Datatype type;
   if (auto err = datatype_of(x, "send", &type); err.failure()) return err;
   if (auto err = call.send_header(dest, tag, pieces(x.element_count())); err.failure()) return err;
-  JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(), [&](int64_t offset, int n) {
-                      return MPI_Send(bytes(x) + offset * element_size(x), n, type, dest, tag, comm);
-                    }),
+  JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
+                                   [&](int64_t offset, int n) {
+                                     return MPI_Send(bytes(x) + offset * element_size(x), n, type,
+                                                     dest, tag, comm);
+                                   }),
                     "send", comm);
   return ffi::Error::Success();
 }
 
 // `like` is the template: its shape and dtype are the result's; its data is unused.
-ffi::Error Recv(Token, Buffer /*like*/, TokenOut, Result out, Status status, int64_t comm_handle, bool check,
-                int32_t source, int32_t tag) {
+ffi::Error Recv(Token, Buffer /*like*/, TokenOut, Result out, Status status, int64_t comm_handle,
+                bool check, int32_t source, int32_t tag) {
   Call call(comm_handle, check, "recv", out->element_type(), out->dimensions());
   call.peer("source", source).peer("tag", tag);
   MPI_Comm comm = call.comm();
   MPI_Datatype type = mpi_datatype(out->element_type());
   if (type == MPI_DATATYPE_NULL) return invalid_argument("recv", "unsupported dtype");
-  if (auto err = call.recv_header(&source, &tag, out->element_type(), out->dimensions()); err.failure())
+  if (auto err = call.recv_header(&source, &tag, out->element_type(), out->dimensions());
+      err.failure())
     return err;
   if (source == MPI_PROC_NULL) std::memset(out->untyped_data(), 0, out->size_bytes());
   const size_t width = ffi::ByteWidth(out->element_type());
   MPI_Status s{};
   ffi::Error piece_error = ffi::Error::Success();
   const int result = for_each_piece(out->element_count(), [&](int64_t offset, int n) {
-                      int code = MPI_Recv(bytes(out) + offset * width, n, type, source, tag, comm, &s);
-                      // Later pieces come from the sender of the first.
-                      if (offset == 0 && source != MPI_PROC_NULL) { source = s.MPI_SOURCE; tag = s.MPI_TAG; }
-                      if (code == MPI_SUCCESS) piece_error = check_count(s, type, n, "recv");
-                      return piece_error.failure() ? MPI_ERR_OTHER : code;
-                    });
+    int code = MPI_Recv(bytes(out) + offset * width, n, type, source, tag, comm, &s);
+    // Later pieces come from the sender of the first.
+    if (offset == 0 && source != MPI_PROC_NULL) {
+      source = s.MPI_SOURCE;
+      tag = s.MPI_TAG;
+    }
+    if (code == MPI_SUCCESS) piece_error = check_count(s, type, n, "recv");
+    return piece_error.failure() ? MPI_ERR_OTHER : code;
+  });
   if (piece_error.failure()) return piece_error;
   JAXCOMM_CHECK_MPI(result, "recv", comm);
   write_status(status, s);
   return ffi::Error::Success();
 }
 
-ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm_handle, bool check,
-                    int32_t source, int32_t dest, int32_t sendtag, int32_t recvtag) {
+ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm_handle,
+                    bool check, int32_t source, int32_t dest, int32_t sendtag, int32_t recvtag) {
   Call call(comm_handle, check, "sendrecv", x.element_type(), x.dimensions());
   call.peer("source", source).peer("dest", dest);
   MPI_Comm comm = call.comm();
@@ -434,8 +482,8 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
   if (recv_type == MPI_DATATYPE_NULL) return invalid_argument("sendrecv", "unsupported dtype");
   const int64_t send_pieces = pieces(std::max(x.element_count(), out->element_count()));
   bool matches = true;
-  if (auto err = call.sendrecv_header(dest, sendtag, send_pieces, &source, &recvtag, out->element_type(),
-                                      out->dimensions(), &matches);
+  if (auto err = call.sendrecv_header(dest, sendtag, send_pieces, &source, &recvtag,
+                                      out->element_type(), out->dimensions(), &matches);
       err.failure())
     return err;
   if (!matches) {
@@ -455,10 +503,11 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
   if (source == MPI_PROC_NULL) {
     if (in_place && dest != MPI_PROC_NULL) {
       // Sending from the buffer we are about to clear: send first.
-      JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(), [&](int64_t offset, int n) {
-                          return MPI_Send(bytes(x) + offset * element_size(x), n, send_type, dest,
-                                          sendtag, comm);
-                        }),
+      JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
+                                       [&](int64_t offset, int n) {
+                                         return MPI_Send(bytes(x) + offset * element_size(x), n,
+                                                         send_type, dest, sendtag, comm);
+                                       }),
                         "sendrecv", comm);
       dest = MPI_PROC_NULL;
     }
@@ -474,19 +523,22 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
   // Both sides split at the same element offsets, so pieces pair up across ranks
   // even when send and receive counts differ.
   const int result = for_each_piece(pieces_of, [&](int64_t offset, int n) {
-        int sn = static_cast<int>(std::clamp<int64_t>(send_count - offset, 0, n));
-        int rn = static_cast<int>(std::clamp<int64_t>(recv_count - offset, 0, n));
-        char* into = in_place ? scratch.reserve(static_cast<size_t>(rn) * recv_width)
-                              : bytes(out) + offset * recv_width;
-        int code = MPI_Sendrecv(bytes(x) + offset * send_width, sn, send_type, dest, sendtag, into, rn,
-                                recv_type, source, recvtag, comm, &s);
-        if (in_place && receives && code == MPI_SUCCESS) {
-          std::memcpy(bytes(out) + offset * recv_width, into, static_cast<size_t>(rn) * recv_width);
-        }
-        if (offset == 0 && source != MPI_PROC_NULL) { source = s.MPI_SOURCE; recvtag = s.MPI_TAG; }
-        if (code == MPI_SUCCESS) piece_error = check_count(s, recv_type, rn, "sendrecv");
-        return piece_error.failure() ? MPI_ERR_OTHER : code;
-      });
+    int sn = static_cast<int>(std::clamp<int64_t>(send_count - offset, 0, n));
+    int rn = static_cast<int>(std::clamp<int64_t>(recv_count - offset, 0, n));
+    char* into = in_place ? scratch.reserve(static_cast<size_t>(rn) * recv_width)
+                          : bytes(out) + offset * recv_width;
+    int code = MPI_Sendrecv(bytes(x) + offset * send_width, sn, send_type, dest, sendtag, into, rn,
+                            recv_type, source, recvtag, comm, &s);
+    if (in_place && receives && code == MPI_SUCCESS) {
+      std::memcpy(bytes(out) + offset * recv_width, into, static_cast<size_t>(rn) * recv_width);
+    }
+    if (offset == 0 && source != MPI_PROC_NULL) {
+      source = s.MPI_SOURCE;
+      recvtag = s.MPI_TAG;
+    }
+    if (code == MPI_SUCCESS) piece_error = check_count(s, recv_type, rn, "sendrecv");
+    return piece_error.failure() ? MPI_ERR_OTHER : code;
+  });
   if (piece_error.failure()) return piece_error;
   JAXCOMM_CHECK_MPI(result, "sendrecv", comm);
   write_status(status, s);
@@ -502,20 +554,36 @@ namespace {
 // Component i of x as a double (complex numbers have two components per element).
 double component(ffi::DataType dtype, const char* p, int64_t i) {
   switch (dtype) {
-    case ffi::DataType::PRED: return static_cast<double>(reinterpret_cast<const bool*>(p)[i]);
-    case ffi::DataType::S8: return reinterpret_cast<const int8_t*>(p)[i];
-    case ffi::DataType::S16: return reinterpret_cast<const int16_t*>(p)[i];
-    case ffi::DataType::S32: return reinterpret_cast<const int32_t*>(p)[i];
-    case ffi::DataType::S64: return static_cast<double>(reinterpret_cast<const int64_t*>(p)[i]);
-    case ffi::DataType::U8: return reinterpret_cast<const uint8_t*>(p)[i];
-    case ffi::DataType::U16: return reinterpret_cast<const uint16_t*>(p)[i];
-    case ffi::DataType::U32: return reinterpret_cast<const uint32_t*>(p)[i];
-    case ffi::DataType::U64: return static_cast<double>(reinterpret_cast<const uint64_t*>(p)[i]);
-    case ffi::DataType::F16: return half::f16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
-    case ffi::DataType::BF16: return half::bf16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
-    case ffi::DataType::F32: case ffi::DataType::C64: return reinterpret_cast<const float*>(p)[i];
-    case ffi::DataType::F64: case ffi::DataType::C128: return reinterpret_cast<const double*>(p)[i];
-    default: return 0.0;
+    case ffi::DataType::PRED:
+      return static_cast<double>(reinterpret_cast<const bool*>(p)[i]);
+    case ffi::DataType::S8:
+      return reinterpret_cast<const int8_t*>(p)[i];
+    case ffi::DataType::S16:
+      return reinterpret_cast<const int16_t*>(p)[i];
+    case ffi::DataType::S32:
+      return reinterpret_cast<const int32_t*>(p)[i];
+    case ffi::DataType::S64:
+      return static_cast<double>(reinterpret_cast<const int64_t*>(p)[i]);
+    case ffi::DataType::U8:
+      return reinterpret_cast<const uint8_t*>(p)[i];
+    case ffi::DataType::U16:
+      return reinterpret_cast<const uint16_t*>(p)[i];
+    case ffi::DataType::U32:
+      return reinterpret_cast<const uint32_t*>(p)[i];
+    case ffi::DataType::U64:
+      return static_cast<double>(reinterpret_cast<const uint64_t*>(p)[i]);
+    case ffi::DataType::F16:
+      return half::f16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
+    case ffi::DataType::BF16:
+      return half::bf16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
+    case ffi::DataType::F32:
+    case ffi::DataType::C64:
+      return reinterpret_cast<const float*>(p)[i];
+    case ffi::DataType::F64:
+    case ffi::DataType::C128:
+      return reinterpret_cast<const double*>(p)[i];
+    default:
+      return 0.0;
   }
 }
 
@@ -547,21 +615,24 @@ ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm_h
     const double b = component(x.element_type(), first.data(), i);
     if (a == b || (std::isnan(a) && std::isnan(b))) continue;
     const double d = std::isnan(a - b) ? INFINITY : std::fabs(a - b);
-    if (where < 0 || d > local.difference) { local.difference = d; where = i; }
+    if (where < 0 || d > local.difference) {
+      local.difference = d;
+      where = i;
+    }
   }
   if (where >= 0 && local.difference == 0.0) local.difference = INFINITY;
   JAXCOMM_CHECK_MPI(MPI_Allreduce(&local, &worst, 1, MPI_DOUBLE_INT, MPI_MAXLOC, comm), "check",
                     comm);
   if (worst.difference == 0.0) return ffi::Error::Success();
-  std::string message = "jaxcomm check: the cotangent reaching the transpose of " +
-                        std::string(operation) +
-                        " is not identical on every rank (largest difference from rank 0: " +
-                        std::to_string(worst.difference) + ", on rank " +
-                        std::to_string(worst.rank);
+  std::string message =
+      "jaxcomm check: the cotangent reaching the transpose of " + std::string(operation) +
+      " is not identical on every rank (largest difference from rank 0: " +
+      std::to_string(worst.difference) + ", on rank " + std::to_string(worst.rank);
   if (where >= 0 && worst.rank == local.rank)
     message += ", at flat index " + std::to_string(complex ? where / 2 : where);
-  message += "). Its result is treated as one replicated value; mark a replicated value that "
-             "feeds rank-dependent code with comm.pvary(x).";
+  message +=
+      "). Its result is treated as one replicated value; mark a replicated value that "
+      "feeds rank-dependent code with comm.pvary(x).";
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition, message);
 }
 

@@ -40,10 +40,10 @@ ffi::Error cuda_error(cudaError_t code, const char* what) {
                     std::string("jaxcomm (CUDA): ") + what + ": " + cudaGetErrorString(code));
 }
 
-#define JAXCOMM_CHECK_CUDA(call, what)                                       \
-  do {                                                                       \
-    if (cudaError_t jaxcomm_cuda_ = (call); jaxcomm_cuda_ != cudaSuccess)   \
-      return cuda_error(jaxcomm_cuda_, what);                                \
+#define JAXCOMM_CHECK_CUDA(call, what)                                    \
+  do {                                                                    \
+    if (cudaError_t jaxcomm_cuda_ = (call); jaxcomm_cuda_ != cudaSuccess) \
+      return cuda_error(jaxcomm_cuda_, what);                             \
   } while (0)
 
 // Does the MPI library accept device pointers? Decided once per process.
@@ -190,7 +190,8 @@ class Staging {
 // Operations whose host code hands buffers to MPI and never reads or writes their
 // contents itself: with a CUDA-aware MPI they take device pointers directly.
 constexpr bool takes_device_pointers(std::string_view op) {
-  return op == "allgather" || op == "alltoall" || op == "scatter" || op == "send" || op == "barrier";
+  return op == "allgather" || op == "alltoall" || op == "scatter" || op == "send" ||
+         op == "barrier";
 }
 
 template <auto Function, bool kDirect>
@@ -213,10 +214,12 @@ struct Staged<Function, kDirect> {
 
 }  // namespace
 
-#define JAXCOMM_DEFINE_CUDA_HANDLER(name, function, binding) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name##_cuda,                                     \
-                                (Staged<&host::function, takes_device_pointers(#name)>::Call), binding);
-JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CUDA_HANDLER, ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+#define JAXCOMM_DEFINE_CUDA_HANDLER(name, function, binding)                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name##_cuda,                                         \
+                                (Staged<&host::function, takes_device_pointers(#name)>::Call), \
+                                binding);
+JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CUDA_HANDLER,
+                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
 #undef JAXCOMM_DEFINE_CUDA_HANDLER
 
 }  // namespace jaxcomm

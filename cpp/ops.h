@@ -62,34 +62,51 @@ auto unary(Binding base) {
 
 template <typename Binding>
 auto point_to_point(Binding base) {
-  return std::move(base).template Arg<host::Token>().template Arg<host::Buffer>().template Ret<host::Token>();
+  return std::move(base)
+      .template Arg<host::Token>()
+      .template Arg<host::Buffer>()
+      .template Ret<host::Token>();
 }
 
 // X(name, function, binding) for every operation: the FFI target is "jaxcomm_<name>"
 // on every platform.
-#define JAXCOMM_OPERATIONS(X, base)                                                          \
-  X(allreduce, Allreduce, unary(base).Attr<int32_t>("op"))                                    \
-  X(reduce, Reduce, unary(base).Attr<int32_t>("op").Attr<int32_t>("root"))                    \
-  X(scan, Scan, unary(base).Attr<int32_t>("op"))                                              \
-  X(exscan, Exscan, unary(base).Attr<int32_t>("op"))                                          \
-  X(reduce_scatter, ReduceScatter, unary(base).Attr<int32_t>("op"))                           \
-  X(bcast, Bcast, unary(base).Attr<int32_t>("root"))                                          \
-  X(gather, Gather, unary(base).Attr<int32_t>("root"))                                        \
-  X(allgather, Allgather, unary(base))                                                        \
-  X(scatter, Scatter, unary(base).Attr<int32_t>("root"))                                      \
-  X(alltoall, Alltoall, unary(base))                                                          \
-  X(send, Send,                                                                               \
-    point_to_point(base).Attr<int64_t>("comm").Attr<bool>("check").Attr<int32_t>("dest")      \
-        .Attr<int32_t>("tag"))                                                                \
-  X(recv, Recv,                                                                               \
-    point_to_point(base).Ret<host::Buffer>().Ret<host::StatusBuffer>().Attr<int64_t>("comm")  \
-        .Attr<bool>("check").Attr<int32_t>("source").Attr<int32_t>("tag"))                    \
-  X(sendrecv, Sendrecv,                                                                       \
-    point_to_point(base).Ret<host::Buffer>().Ret<host::StatusBuffer>().Attr<int64_t>("comm")  \
-        .Attr<bool>("check").Attr<int32_t>("source").Attr<int32_t>("dest")                    \
-        .Attr<int32_t>("sendtag").Attr<int32_t>("recvtag"))                                   \
-  X(barrier, Barrier,                                                                         \
-    base.Arg<host::Token>().Ret<host::Token>().Attr<int64_t>("comm").Attr<bool>("check"))     \
+#define JAXCOMM_OPERATIONS(X, base)                                                       \
+  X(allreduce, Allreduce, unary(base).Attr<int32_t>("op"))                                \
+  X(reduce, Reduce, unary(base).Attr<int32_t>("op").Attr<int32_t>("root"))                \
+  X(scan, Scan, unary(base).Attr<int32_t>("op"))                                          \
+  X(exscan, Exscan, unary(base).Attr<int32_t>("op"))                                      \
+  X(reduce_scatter, ReduceScatter, unary(base).Attr<int32_t>("op"))                       \
+  X(bcast, Bcast, unary(base).Attr<int32_t>("root"))                                      \
+  X(gather, Gather, unary(base).Attr<int32_t>("root"))                                    \
+  X(allgather, Allgather, unary(base))                                                    \
+  X(scatter, Scatter, unary(base).Attr<int32_t>("root"))                                  \
+  X(alltoall, Alltoall, unary(base))                                                      \
+  X(send, Send,                                                                           \
+    point_to_point(base)                                                                  \
+        .Attr<int64_t>("comm")                                                            \
+        .Attr<bool>("check")                                                              \
+        .Attr<int32_t>("dest")                                                            \
+        .Attr<int32_t>("tag"))                                                            \
+  X(recv, Recv,                                                                           \
+    point_to_point(base)                                                                  \
+        .Ret<host::Buffer>()                                                              \
+        .Ret<host::StatusBuffer>()                                                        \
+        .Attr<int64_t>("comm")                                                            \
+        .Attr<bool>("check")                                                              \
+        .Attr<int32_t>("source")                                                          \
+        .Attr<int32_t>("tag"))                                                            \
+  X(sendrecv, Sendrecv,                                                                   \
+    point_to_point(base)                                                                  \
+        .Ret<host::Buffer>()                                                              \
+        .Ret<host::StatusBuffer>()                                                        \
+        .Attr<int64_t>("comm")                                                            \
+        .Attr<bool>("check")                                                              \
+        .Attr<int32_t>("source")                                                          \
+        .Attr<int32_t>("dest")                                                            \
+        .Attr<int32_t>("sendtag")                                                         \
+        .Attr<int32_t>("recvtag"))                                                        \
+  X(barrier, Barrier,                                                                     \
+    base.Arg<host::Token>().Ret<host::Token>().Attr<int64_t>("comm").Attr<bool>("check")) \
   X(check_replicated, CheckReplicated, unary(base).Attr<std::string_view>("operation"))
 
 }  // namespace jaxcomm

@@ -8,6 +8,7 @@ one pytree allreduce per step, so every rank applies the same update.
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ SIZES = (8, 64, 64, 1)  # input features, hidden layers, output
 
 def init_params(key: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
     params = []
-    for fan_in, fan_out in zip(SIZES[:-1], SIZES[1:]):
+    for fan_in, fan_out in itertools.pairwise(SIZES):
         key, sub = jax.random.split(key)
         params.append((jax.random.normal(sub, (fan_in, fan_out)) / fan_in**0.5, jnp.zeros(fan_out)))
     return params
@@ -61,7 +62,10 @@ def identical_on_all_ranks(comm: JaxComm, params) -> bool:
     """Bitwise: the elementwise max over ranks equals the min over ranks."""
     highest = comm.allreduce(params, op=MPI.MAX)
     lowest = comm.allreduce(params, op=MPI.MIN)
-    return all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(highest), jax.tree.leaves(lowest)))
+    return all(
+        bool(jnp.array_equal(a, b))
+        for a, b in zip(jax.tree.leaves(highest), jax.tree.leaves(lowest), strict=True)
+    )
 
 
 def main(argv=None) -> None:
@@ -69,7 +73,9 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--samples", type=int, default=256, help="samples per rank")
     parser.add_argument("--learning-rate", type=float, default=0.1)
-    parser.add_argument("--check", action="store_true", help="verify identical parameters after every step")
+    parser.add_argument(
+        "--check", action="store_true", help="verify identical parameters after every step"
+    )
     args = parser.parse_args(argv)
 
     comm = JaxComm(MPI.COMM_WORLD)

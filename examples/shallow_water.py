@@ -55,11 +55,13 @@ def flux(q: jax.Array, axis: int) -> jax.Array:
     normal = hu if axis == 1 else hv
     velocity = normal / h
     pressure = 0.5 * G * h * h
-    return jnp.stack([
-        normal,
-        hu * velocity + (pressure if axis == 1 else 0.0),
-        hv * velocity + (pressure if axis == 2 else 0.0),
-    ])  # fmt: skip
+    return jnp.stack(
+        [
+            normal,
+            hu * velocity + (pressure if axis == 1 else 0.0),
+            hv * velocity + (pressure if axis == 2 else 0.0),
+        ]
+    )
 
 
 def rusanov(q: jax.Array, axis: int) -> jax.Array:
@@ -114,8 +116,12 @@ def plot(state: np.ndarray, path: str, days: float) -> None:
     h, hu, hv = state
     u, v = hu / h, hv / h
     fig, ax = plt.subplots(figsize=(6, 5))
-    image = ax.imshow((h - DEPTH).T, origin="lower", cmap="RdBu_r",
-                      extent=(0, LENGTH / 1e3, 0, LENGTH / 1e3 * h.shape[1] / h.shape[0]))  # fmt: skip
+    image = ax.imshow(
+        (h - DEPTH).T,
+        origin="lower",
+        cmap="RdBu_r",
+        extent=(0, LENGTH / 1e3, 0, LENGTH / 1e3 * h.shape[1] / h.shape[0]),
+    )
     fig.colorbar(image, label="surface height (m)")
     every = max(1, h.shape[0] // 20)
     xs = (np.arange(h.shape[0]) + 0.5) * LENGTH / 1e3 / h.shape[0]
@@ -176,8 +182,10 @@ def main(argv=None) -> None:
     if comm.rank == 0:
         if not np.all(np.isfinite(state)):
             raise SystemExit("shallow water: the solution blew up")
-        print(f"{comm.size} ranks, {args.nx}x{args.ny} cells, {steps} steps of {dt:.1f} s: "
-              f"{steps / elapsed:.1f} steps/s")  # fmt: skip
+        print(
+            f"{comm.size} ranks, {args.nx}x{args.ny} cells, {steps} steps of {dt:.1f} s: "
+            f"{steps / elapsed:.1f} steps/s"
+        )
         if args.save:
             np.save(args.save, state)
         if args.plot and not args.benchmark:

@@ -1,6 +1,6 @@
 """Run the shallow-water benchmark on 1, 2, ... ranks and print a scaling table.
 
-    python examples/shallow_water_scaling.py --ranks 1 2 --nx 240 --ny 240 --days 0.5
+python examples/shallow_water_scaling.py --ranks 1 2 --nx 240 --ny 240 --days 0.5
 """
 
 from __future__ import annotations
@@ -28,8 +28,20 @@ def main(argv=None) -> None:
     print(f"{'ranks':>5} {'steps/s':>10} {'speed-up':>9} {'efficiency':>11}")
     base = None
     for n in args.ranks:
-        command = [mpiexec, "-n", str(n), sys.executable, str(HERE / "shallow_water.py"), "--benchmark",
-                   "--nx", str(args.nx), "--ny", str(args.ny), "--days", str(args.days)]  # fmt: skip
+        command = [
+            mpiexec,
+            "-n",
+            str(n),
+            sys.executable,
+            str(HERE / "shallow_water.py"),
+            "--benchmark",
+            "--nx",
+            str(args.nx),
+            "--ny",
+            str(args.ny),
+            "--days",
+            str(args.days),
+        ]
         output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         rate = float(re.search(r"([\d.]+) steps/s", output).group(1))
         base = base or rate * args.ranks[0]

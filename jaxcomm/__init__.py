@@ -38,8 +38,8 @@ __all__ = [
     "JaxComm",
     "MPILibraryMismatchError",
     "ReduceOp",
-    "abort_on_error",
     "Status",
+    "abort_on_error",
     "allgather",
     "allreduce",
     "alltoall",
@@ -121,7 +121,9 @@ def abort_on_error(comm: MPI.Comm | JaxComm | None = None, exit_code: int = 1) -
 
     def hook(kind, value, traceback):
         previous(kind, value, traceback)
-        sys.stderr.write(f"jaxcomm: uncaught exception on rank {MPI.COMM_WORLD.rank}; aborting the job\n")
+        sys.stderr.write(
+            f"jaxcomm: uncaught exception on rank {MPI.COMM_WORLD.rank}; aborting the job\n"
+        )
         sys.stderr.flush()
         target.Abort(exit_code)
 
@@ -142,5 +144,3 @@ def cuda_aware() -> bool:
 def get_include() -> str:
     """Directory holding ``jaxcomm/jaxcomm.h``, for building custom FFI kernels."""
     return os.path.join(os.path.dirname(__file__), "include")
-
-

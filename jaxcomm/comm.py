@@ -100,8 +100,16 @@ def _recv_leaves(leaves, *, comm, source, tag):
 def _sendrecv_leaves(send_leaves, *, comm, templates, source, dest, sendtag, recvtag):
     results, status = [], jnp.array([source, recvtag], np.int32)
     for leaf, (shape, dtype) in zip(send_leaves, templates, strict=True):
-        out, status = _p2p.sendrecv(leaf, comm=comm, shape=shape, dtype=dtype, source=source,
-                                    dest=dest, sendtag=sendtag, recvtag=recvtag)  # fmt: skip
+        out, status = _p2p.sendrecv(
+            leaf,
+            comm=comm,
+            shape=shape,
+            dtype=dtype,
+            source=source,
+            dest=dest,
+            sendtag=sendtag,
+            recvtag=recvtag,
+        )
         results.append(out)
     return results, status
 
@@ -253,7 +261,8 @@ class JaxComm:
         }
         if len(platforms) > 1:
             raise ValueError(
-                f"{operation}: the arrays are on different platforms ({', '.join(sorted(platforms))}); "
+                f"{operation}: the arrays are on different platforms "
+                f"({', '.join(sorted(platforms))}); "
                 "put them on one with jax.device_put"
             )
         return leaves, tree
@@ -281,9 +290,7 @@ class JaxComm:
         if leading_axis:
             for leaf in leaves:
                 self._leading_axis(operation, leaf)
-        results = _dispatch(
-            _map_leaves, leaves, fn=fn, fuse=elementwise, comm=self._comm, **params
-        )
+        results = _dispatch(_map_leaves, leaves, fn=fn, fuse=elementwise, comm=self._comm, **params)
         return jax.tree.unflatten(tree, results)
 
     # -- reductions ---------------------------------------------------------------
@@ -411,9 +418,16 @@ class JaxComm:
         if len(send_leaves) > 1 and source == MPI.ANY_SOURCE:
             raise ValueError("sendrecv: a pytree with several arrays needs an explicit source")
         templates = tuple((r.shape, r.dtype) for r in recv_leaves)
-        results, status = _dispatch(_sendrecv_leaves, send_leaves, comm=self._comm,
-                                    templates=templates, source=source, dest=dest,
-                                    sendtag=sendtag, recvtag=recvtag)  # fmt: skip
+        results, status = _dispatch(
+            _sendrecv_leaves,
+            send_leaves,
+            comm=self._comm,
+            templates=templates,
+            source=source,
+            dest=dest,
+            sendtag=sendtag,
+            recvtag=recvtag,
+        )
         result = jax.tree.unflatten(tree, results)
         return (result, Status(status[0], status[1])) if return_status else result
 

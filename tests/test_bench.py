@@ -10,8 +10,18 @@ BENCH = Path(__file__).parent.parent / "bench"
 
 
 def test_latency_suite_checks_and_records_every_backend(tmp_path):
-    args = [str(BENCH / "run.py"), "--quick", "--max-bytes", "64", "--reps", "1", "--out", str(tmp_path),
-            "--backends", "C,mpi4py,jaxcomm-jit,jaxcomm-eager,jaxcomm-jit-check"]  # fmt: skip
+    args = [
+        str(BENCH / "run.py"),
+        "--quick",
+        "--max-bytes",
+        "64",
+        "--reps",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--backends",
+        "C,mpi4py,jaxcomm-jit,jaxcomm-eager,jaxcomm-jit-check",
+    ]
     result = run(2, args, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     records = [json.loads(line) for line in (tmp_path / "latency.jsonl").read_text().splitlines()]
@@ -23,7 +33,13 @@ def test_latency_suite_checks_and_records_every_backend(tmp_path):
 
 
 def test_mlp_workload(tmp_path):
-    result = run(2, [str(BENCH / "mlp.py"), "--steps", "2", "--reps", "1", "--out", str(tmp_path)], timeout=600)
+    result = run(
+        2,
+        [str(BENCH / "mlp.py"), "--steps", "2", "--reps", "1", "--out", str(tmp_path)],
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    names = {json.loads(line)["backend"] for line in (tmp_path / "mlp.jsonl").read_text().splitlines()}
+    names = {
+        json.loads(line)["backend"] for line in (tmp_path / "mlp.jsonl").read_text().splitlines()
+    }
     assert {"no-communication", "jaxcomm"} <= names

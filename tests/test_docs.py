@@ -37,7 +37,9 @@ def test_program_runs_and_prints_what_is_shown(source, ranks, shown):
     with tempfile.TemporaryDirectory() as out:
         program = Path(out) / "program.py"
         program.write_text(source)
-        result = run(ranks, [str(ROOT / "tests" / "rank_output.py"), out, str(program)], timeout=300)
+        result = run(
+            ranks, [str(ROOT / "tests" / "rank_output.py"), out, str(program)], timeout=300
+        )
         assert result.returncode == 0, result.stdout + result.stderr
         if shown is not None:
             for rank in range(ranks):

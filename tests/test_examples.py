@@ -90,7 +90,9 @@ SMALL_WATER = ["--nx", "36", "--ny", "20", "--days", "0.1"]
 def test_shallow_water_matches_one_rank(shallow_water_1_rank, tmp_path, nprocs):
     path = tmp_path / f"{nprocs}.npy"
     outputs = run_example("shallow_water.py", nprocs, *SMALL_WATER, "--save", str(path))
-    assert re.match(rf"{nprocs} ranks, 36x20 cells, \d+ steps of [\d.]+ s: [\d.]+ steps/s", outputs[0])
+    assert re.match(
+        rf"{nprocs} ranks, 36x20 cells, \d+ steps of [\d.]+ s: [\d.]+ steps/s", outputs[0]
+    )
     state = np.load(path)
     h = shallow_water_1_rank[0]
     assert state.shape == (3, 36, 20) and np.ptp(h) > 1.0  # the hill has moved water about
@@ -99,13 +101,29 @@ def test_shallow_water_matches_one_rank(shallow_water_1_rank, tmp_path, nprocs):
 
 def test_shallow_water_plot_and_scaling_table(tmp_path):
     png = tmp_path / "water.png"
-    run_example("shallow_water.py", 2, "--nx", "24", "--ny", "12", "--days", "0.02", "--plot", str(png))
+    run_example(
+        "shallow_water.py", 2, "--nx", "24", "--ny", "12", "--days", "0.02", "--plot", str(png)
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = subprocess.run(
-        [sys.executable, str(EXAMPLES / "shallow_water_scaling.py"), "--ranks", "1", "2",
-         "--nx", "24", "--ny", "12", "--days", "0.02"],
-        capture_output=True, text=True, timeout=300, env=launch_environment(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(EXAMPLES / "shallow_water_scaling.py"),
+            "--ranks",
+            "1",
+            "2",
+            "--nx",
+            "24",
+            "--ny",
+            "12",
+            "--days",
+            "0.02",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=launch_environment(),
+    )
     assert table.returncode == 0, table.stderr
     rows = table.stdout.splitlines()[2:]
     assert [row.split()[0] for row in rows] == ["1", "2"]
@@ -115,5 +133,7 @@ def test_shallow_water_plot_and_scaling_table(tmp_path):
 def test_data_parallel_mlp(nprocs):
     outputs = run_example("data_parallel_mlp.py", nprocs, "--steps", "100", "--check")
     losses = [float(v) for v in re.findall(r"loss ([\d.]+)", outputs[0])]
-    assert len(losses) == 3 and losses[0] > losses[1] > losses[2] and losses[2] < 0.5 * losses[0], outputs[0]
+    assert len(losses) == 3 and losses[0] > losses[1] > losses[2] and losses[2] < 0.5 * losses[0], (
+        outputs[0]
+    )
     assert outputs[0].endswith(f"parameters identical on all {nprocs} ranks\n")

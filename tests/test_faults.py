@@ -18,31 +18,46 @@ def program(tmp_path, source: str) -> str:
 
 
 def test_debug_log_has_one_line_per_call(tmp_path):
-    script = program(tmp_path, """
+    script = program(
+        tmp_path,
+        """
         import jax, jax.numpy as jnp
         from jaxcomm import JaxComm
         comm = JaxComm()
         peer = 1 - comm.rank
-        jax.jit(lambda x: comm.sendrecv(comm.allreduce(x), source=peer, dest=peer))(jnp.ones((2, 3)))
+        step = lambda x: comm.sendrecv(comm.allreduce(x), source=peer, dest=peer)
+        jax.jit(step)(jnp.ones((2, 3)))
         comm.bcast(jnp.ones(5, jnp.int32), root=1)
-    """)
+    """,
+    )
     result = run(2, [script], TIMEOUT, env={"JAXCOMM_DEBUG": "1"})
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("jaxcomm[")]
     for rank in (0, 1):
         mine = [line for line in lines if line.startswith(f"jaxcomm[rank {rank}]")]
         assert len(mine) == 3, lines
-        assert re.fullmatch(rf"jaxcomm\[rank {rank}\] allreduce\(float32\[2,3\], op=sum\) 24 B [\d.]+ us", mine[0])
-        assert re.fullmatch(rf"jaxcomm\[rank {rank}\] sendrecv\(float32\[2,3\]\) source={1 - rank}, dest={1 - rank} 24 B [\d.]+ us", mine[1])
-        assert re.fullmatch(rf"jaxcomm\[rank {rank}\] bcast\(int32\[5\], root=1\) 20 B [\d.]+ us", mine[2])
+        assert re.fullmatch(
+            rf"jaxcomm\[rank {rank}\] allreduce\(float32\[2,3\], op=sum\) 24 B [\d.]+ us", mine[0]
+        )
+        assert re.fullmatch(
+            rf"jaxcomm\[rank {rank}\] sendrecv\(float32\[2,3\]\) "
+            rf"source={1 - rank}, dest={1 - rank} 24 B [\d.]+ us",
+            mine[1],
+        )
+        assert re.fullmatch(
+            rf"jaxcomm\[rank {rank}\] bcast\(int32\[5\], root=1\) 20 B [\d.]+ us", mine[2]
+        )
 
 
 def test_no_debug_log_by_default(tmp_path):
-    script = program(tmp_path, """
+    script = program(
+        tmp_path,
+        """
         import jax.numpy as jnp
         from jaxcomm import JaxComm
         JaxComm().allreduce(jnp.ones(2))
-    """)
+    """,
+    )
     result = run(2, [script], TIMEOUT, env={"JAXCOMM_DEBUG": "0"})
     assert result.returncode == 0, result.stderr
     assert "jaxcomm[" not in result.stderr
@@ -50,7 +65,9 @@ def test_no_debug_log_by_default(tmp_path):
 
 def test_watchdog_aborts_a_send_nobody_receives(tmp_path):
     # 4 MiB is beyond MPI's eager limit: the send blocks until a matching receive.
-    script = program(tmp_path, """
+    script = program(
+        tmp_path,
+        """
         import jax.numpy as jnp
         from mpi4py import MPI
         from jaxcomm import JaxComm
@@ -59,25 +76,30 @@ def test_watchdog_aborts_a_send_nobody_receives(tmp_path):
         if comm.rank == 0:
             comm.send(jnp.ones(1 << 20, jnp.float32), dest=1, tag=3)
         MPI.COMM_WORLD.Barrier()
-    """)
+    """,
+    )
     result = run(2, [script], TIMEOUT, env={"JAXCOMM_TIMEOUT": "2", "JAXCOMM_DEBUG": "0"})
     assert result.returncode != 0
     assert re.search(
         r"jaxcomm watchdog: rank 0 has been waiting in send\(float32\[1048576\]\), dest=1, tag=3 "
-        r"for [\d.]+ s \(JAXCOMM_TIMEOUT=2\); last completed call: allreduce\(float32\[1\], op=sum\)",
+        r"for [\d.]+ s \(JAXCOMM_TIMEOUT=2\); "
+        r"last completed call: allreduce\(float32\[1\], op=sum\)",
         result.stderr,
     ), result.stderr
 
 
 def test_watchdog_is_quiet_when_calls_complete(tmp_path):
-    script = program(tmp_path, """
+    script = program(
+        tmp_path,
+        """
         import jax.numpy as jnp
         from jaxcomm import JaxComm
         comm = JaxComm()
         for _ in range(50):
             comm.allreduce(jnp.ones(4))
         print("done", flush=True)
-    """)
+    """,
+    )
     result = run(2, [script], TIMEOUT, env={"JAXCOMM_TIMEOUT": "30"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("done") == 2 and "watchdog" not in result.stderr

@@ -20,7 +20,8 @@ ffi::Error AllreduceScale(ffi::Token, ffi::Buffer<ffi::F64> x, ffi::Result<ffi::
                           int32_t /*size*/, double scale) {
   MPI_Comm comm = jaxcomm::comm_from_handle(comm_handle);
   const int64_t n = x.element_count();
-  if (n > jaxcomm::kMaxCount) return jaxcomm::invalid_argument("allreduce_scale", "array too large");
+  if (n > jaxcomm::kMaxCount)
+    return jaxcomm::invalid_argument("allreduce_scale", "array too large");
   const void* send = x.typed_data() == out->typed_data() ? MPI_IN_PLACE : x.typed_data();
   JAXCOMM_CHECK_MPI(
       MPI_Allreduce(send, out->typed_data(), static_cast<int>(n), MPI_DOUBLE, MPI_SUM, comm),

@@ -43,7 +43,10 @@ def test_matching_calls_give_normal_results(checked, name, jit):
 def test_shape_mismatch_names_both_ranks(checked):
     needs_ranks(checked, 2)
     x = jnp.ones(3 + (checked.rank == 1), F32)
-    pattern = r"rank 1 called allreduce\(float32\[4\], op=sum\) while rank 0 called allreduce\(float32\[3\], op=sum\)"
+    pattern = (
+        r"rank 1 called allreduce\(float32\[4\], op=sum\) "
+        r"while rank 0 called allreduce\(float32\[3\], op=sum\)"
+    )
     with pytest.raises(Exception, match=pattern):
         jax.block_until_ready(checked.allreduce(x))
     assert_values(checked.allreduce(jnp.ones(2, F32)), np.full(2, checked.size, F32))
@@ -53,23 +56,36 @@ def test_different_operations(checked):
     needs_ranks(checked, 2)
     x = jnp.ones(3, F32)
     call = checked.bcast if checked.rank == 0 else checked.allreduce
-    with pytest.raises(Exception, match=r"rank 1 called allreduce\(.*\) while rank 0 called bcast\(float32\[3\], root=0\)"):
+    with pytest.raises(
+        Exception,
+        match=r"rank 1 called allreduce\(.*\) while rank 0 called bcast\(float32\[3\], root=0\)",
+    ):
         jax.block_until_ready(jax.jit(call)(x))
 
 
 def test_root_and_op_mismatch(checked):
     needs_ranks(checked, 2)
     x = jnp.ones(2, F32)
-    with pytest.raises(Exception, match=r"rank 1 called reduce\(float32\[2\], op=max, root=0\) while rank 0 called reduce\(float32\[2\], op=sum, root=0\)"):
+    with pytest.raises(
+        Exception,
+        match=r"rank 1 called reduce\(float32\[2\], op=max, root=0\) "
+        r"while rank 0 called reduce\(float32\[2\], op=sum, root=0\)",
+    ):
         jax.block_until_ready(checked.reduce(x, op=MPI.SUM if checked.rank == 0 else MPI.MAX))
-    with pytest.raises(Exception, match=r"root=1\) while rank 0 called bcast\(float32\[2\], root=0\)"):
+    with pytest.raises(
+        Exception, match=r"root=1\) while rank 0 called bcast\(float32\[2\], root=0\)"
+    ):
         jax.block_until_ready(checked.bcast(x, root=min(checked.rank, 1)))
 
 
 def test_dtype_mismatch(checked):
     needs_ranks(checked, 2)
     x = jnp.ones(2, jnp.float32 if checked.rank == 0 else jnp.int32)
-    with pytest.raises(Exception, match=r"rank 1 called allgather\(int32\[2\]\) while rank 0 called allgather\(float32\[2\]\)"):
+    with pytest.raises(
+        Exception,
+        match=r"rank 1 called allgather\(int32\[2\]\) "
+        r"while rank 0 called allgather\(float32\[2\]\)",
+    ):
         jax.block_until_ready(checked.allgather(x))
 
 
@@ -78,7 +94,11 @@ def test_recv_size_mismatch_names_both_sides(checked):
     if checked.rank == 0:
         checked.send(jnp.arange(4.0, dtype=F32), dest=1, tag=7)
     elif checked.rank == 1:
-        with pytest.raises(Exception, match=r"recv on rank 1 receives into float32\[3\] but rank 0 sent float32\[4\] \(tag 7\)"):
+        with pytest.raises(
+            Exception,
+            match=r"recv on rank 1 receives into float32\[3\] "
+            r"but rank 0 sent float32\[4\] \(tag 7\)",
+        ):
             jax.block_until_ready(checked.recv(jnp.zeros(3, F32), source=MPI.ANY_SOURCE, tag=7))
     checked.barrier()
 
@@ -88,7 +108,9 @@ def test_recv_dtype_mismatch(checked):
     if checked.rank == 0:
         jax.jit(lambda x: checked.send(x, dest=1) and None)(jnp.arange(4, dtype=jnp.int32))
     elif checked.rank == 1:
-        with pytest.raises(Exception, match=r"receives into float32\[4\] but rank 0 sent int32\[4\]"):
+        with pytest.raises(
+            Exception, match=r"receives into float32\[4\] but rank 0 sent int32\[4\]"
+        ):
             jax.block_until_ready(checked.recv(jnp.zeros(4, F32), source=0))
     checked.barrier()
 
@@ -102,7 +124,10 @@ def test_sendrecv_mismatch_raises_on_the_receiving_side(checked):
         checked.sendrecv(x, jnp.zeros(3, F32), source=left, dest=right)
     )
     if checked.rank == 1:
-        with pytest.raises(Exception, match=r"sendrecv on rank 1 receives into float32\[3\] but rank 0 sent float32\[5\]"):
+        with pytest.raises(
+            Exception,
+            match=r"sendrecv on rank 1 receives into float32\[3\] but rank 0 sent float32\[5\]",
+        ):
             call()
     else:
         assert_values(call(), np.ones(3, F32))
@@ -112,7 +137,9 @@ def test_sendrecv_mismatch_raises_on_the_receiving_side(checked):
 def test_matching_p2p_still_works(checked):
     needs_ranks(checked, 2)
     right, left = (checked.rank + 1) % checked.size, (checked.rank - 1) % checked.size
-    got = jax.jit(lambda x: checked.sendrecv(x, source=left, dest=right))(jnp.full(3, checked.rank, F32))
+    got = jax.jit(lambda x: checked.sendrecv(x, source=left, dest=right))(
+        jnp.full(3, checked.rank, F32)
+    )
     assert_values(got, np.full(3, left, F32))
     if checked.rank == 0:
         checked.send(jnp.arange(3.0, dtype=F32), dest=1, tag=2)

@@ -24,8 +24,18 @@ pytestmark = [
     pytest.mark.skipif(not gpus(), reason="no GPU visible to JAX"),
 ]
 
-OPS = ["allreduce", "reduce", "scan", "exscan", "bcast", "gather", "allgather", "scatter",
-       "alltoall", "reduce_scatter"]  # fmt: skip
+OPS = [
+    "allreduce",
+    "reduce",
+    "scan",
+    "exscan",
+    "bcast",
+    "gather",
+    "allgather",
+    "scatter",
+    "alltoall",
+    "reduce_scatter",
+]
 DTYPES = ["float32", "float64", "int32", "bfloat16", "complex64", "bool"]
 
 
@@ -62,7 +72,9 @@ def test_point_to_point_on_gpu(comm):
     got = jax.jit(lambda v: comm.sendrecv(v, source=left, dest=right))(x)
     assert_values(np.asarray(got), np.full(4, left, np.float32))
     donated = jax.jit(lambda v: comm.sendrecv(v, source=left, dest=right), donate_argnums=0)
-    assert_values(np.asarray(donated(on_gpu(np.full(4, comm.rank, np.float32)))), np.full(4, left, np.float32))
+    assert_values(
+        np.asarray(donated(on_gpu(np.full(4, comm.rank, np.float32)))), np.full(4, left, np.float32)
+    )
 
 
 def test_grad_and_vmap_on_gpu(comm):

@@ -14,13 +14,17 @@ IN_PLACE = {
     "scan": lambda comm: comm.scan,
     "exscan": lambda comm: comm.exscan,
     "bcast": lambda comm: lambda x: comm.bcast(x, root=comm.size - 1),
-    "sendrecv ring": lambda comm: lambda x: comm.sendrecv(
-        x, source=(comm.rank - 1) % comm.size, dest=(comm.rank + 1) % comm.size
+    "sendrecv ring": lambda comm: (
+        lambda x: comm.sendrecv(
+            x, source=(comm.rank - 1) % comm.size, dest=(comm.rank + 1) % comm.size
+        )
     ),
-    "sendrecv line": lambda comm: lambda x: comm.sendrecv(
-        x,
-        source=comm.rank - 1 if comm.rank > 0 else MPI.PROC_NULL,
-        dest=comm.rank + 1 if comm.rank < comm.size - 1 else MPI.PROC_NULL,
+    "sendrecv line": lambda comm: (
+        lambda x: comm.sendrecv(
+            x,
+            source=comm.rank - 1 if comm.rank > 0 else MPI.PROC_NULL,
+            dest=comm.rank + 1 if comm.rank < comm.size - 1 else MPI.PROC_NULL,
+        )
     ),
 }
 

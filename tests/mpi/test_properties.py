@@ -20,7 +20,17 @@ SETTINGS = settings(
     database=None,
     suppress_health_check=list(HealthCheck),
 )
-OPS = ["allreduce", "reduce", "scan", "bcast", "gather", "allgather", "scatter", "alltoall", "reduce_scatter"]
+OPS = [
+    "allreduce",
+    "reduce",
+    "scan",
+    "bcast",
+    "gather",
+    "allgather",
+    "scatter",
+    "alltoall",
+    "reduce_scatter",
+]
 CLEAN = (ValueError, TypeError)
 
 

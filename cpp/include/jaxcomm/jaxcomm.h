@@ -63,16 +63,25 @@ inline ffi::Error invalid_argument(std::string_view op, std::string_view what) {
 }
 
 // Propagates a failed MPI call out of a handler.
-#define JAXCOMM_CHECK_MPI(call, op, comm)                          \
-  do {                                                             \
+#define JAXCOMM_CHECK_MPI(call, op, comm)                                            \
+  do {                                                                               \
     if (::xla::ffi::Error jaxcomm_err_ = ::jaxcomm::check_mpi((call), (op), (comm)); \
-        jaxcomm_err_.failure())                                    \
-      return jaxcomm_err_;                                         \
+        jaxcomm_err_.failure())                                                      \
+      return jaxcomm_err_;                                                           \
   } while (0)
 
 // Reduction operators, numbered as in jaxcomm._ops.ReduceOp.
 enum class ReduceOp : int32_t {
-  kSum = 0, kProd, kMax, kMin, kLand, kLor, kLxor, kBand, kBor, kBxor
+  kSum = 0,
+  kProd,
+  kMax,
+  kMin,
+  kLand,
+  kLor,
+  kLxor,
+  kBand,
+  kBor,
+  kBxor
 };
 
 // ---------------------------------------------------------------------------
@@ -109,7 +118,10 @@ inline float f16_to_float(uint16_t bits) {
     word = sign;
   } else {  // subnormal: normalise
     int shift = 0;
-    while ((mantissa & 0x400u) == 0) { mantissa <<= 1; ++shift; }
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      ++shift;
+    }
     word = sign | (static_cast<uint32_t>(113 - shift) << 23) | ((mantissa & 0x3ffu) << 13);
   }
   float value;
@@ -122,13 +134,13 @@ inline uint16_t float_to_f16(float value) {
   std::memcpy(&word, &value, sizeof word);
   uint16_t sign = static_cast<uint16_t>((word >> 16) & 0x8000u);
   uint32_t magnitude = word & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return sign | 0x7e00u;            // NaN
-  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;           // overflow to inf
-  if (magnitude < 0x38800000u) {                                 // subnormal or zero
+  if (magnitude > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;  // overflow to inf
+  if (magnitude < 0x38800000u) {                        // subnormal or zero
     if (magnitude < 0x33000000u) return sign;
     uint32_t exponent = magnitude >> 23;
     uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
-    uint32_t shift = 126 - exponent;                             // 14..24
+    uint32_t shift = 126 - exponent;  // 14..24
     uint32_t result = mantissa >> shift;
     uint32_t rest = mantissa & ((1u << shift) - 1);
     uint32_t halfway = 1u << (shift - 1);
@@ -142,9 +154,13 @@ inline uint16_t float_to_f16(float value) {
 }
 
 template <bool kBfloat>
-inline float to_float(uint16_t bits) { return kBfloat ? bf16_to_float(bits) : f16_to_float(bits); }
+inline float to_float(uint16_t bits) {
+  return kBfloat ? bf16_to_float(bits) : f16_to_float(bits);
+}
 template <bool kBfloat>
-inline uint16_t from_float(float v) { return kBfloat ? float_to_bf16(v) : float_to_f16(v); }
+inline uint16_t from_float(float v) {
+  return kBfloat ? float_to_bf16(v) : float_to_f16(v);
+}
 
 template <bool kBfloat, ReduceOp kOp>
 void reduce_fn(void* in, void* inout, int* len, MPI_Datatype*) {
@@ -152,10 +168,14 @@ void reduce_fn(void* in, void* inout, int* len, MPI_Datatype*) {
   auto* b = static_cast<uint16_t*>(inout);
   for (int i = 0; i < *len; ++i) {
     float x = to_float<kBfloat>(a[i]), y = to_float<kBfloat>(b[i]), r;
-    if constexpr (kOp == ReduceOp::kSum) r = x + y;
-    else if constexpr (kOp == ReduceOp::kProd) r = x * y;
-    else if constexpr (kOp == ReduceOp::kMax) r = (x > y || x != x) ? x : y;
-    else r = (x < y || x != x) ? x : y;
+    if constexpr (kOp == ReduceOp::kSum)
+      r = x + y;
+    else if constexpr (kOp == ReduceOp::kProd)
+      r = x * y;
+    else if constexpr (kOp == ReduceOp::kMax)
+      r = (x > y || x != x) ? x : y;
+    else
+      r = (x < y || x != x) ? x : y;
     b[i] = from_float<kBfloat>(r);
   }
 }
@@ -184,22 +204,38 @@ inline MPI_Op op(bool bfloat, ReduceOp reduce_op) {
 // The MPI datatype that carries elements of an XLA dtype, or MPI_DATATYPE_NULL.
 inline MPI_Datatype mpi_datatype(ffi::DataType dtype) {
   switch (dtype) {
-    case ffi::DataType::PRED: return MPI_C_BOOL;
-    case ffi::DataType::S8: return MPI_INT8_T;
-    case ffi::DataType::S16: return MPI_INT16_T;
-    case ffi::DataType::S32: return MPI_INT32_T;
-    case ffi::DataType::S64: return MPI_INT64_T;
-    case ffi::DataType::U8: return MPI_UINT8_T;
-    case ffi::DataType::U16: return MPI_UINT16_T;
-    case ffi::DataType::U32: return MPI_UINT32_T;
-    case ffi::DataType::U64: return MPI_UINT64_T;
-    case ffi::DataType::F16: return MPI_UINT16_T;
-    case ffi::DataType::BF16: return MPI_UINT16_T;
-    case ffi::DataType::F32: return MPI_FLOAT;
-    case ffi::DataType::F64: return MPI_DOUBLE;
-    case ffi::DataType::C64: return MPI_C_FLOAT_COMPLEX;
-    case ffi::DataType::C128: return MPI_C_DOUBLE_COMPLEX;
-    default: return MPI_DATATYPE_NULL;
+    case ffi::DataType::PRED:
+      return MPI_C_BOOL;
+    case ffi::DataType::S8:
+      return MPI_INT8_T;
+    case ffi::DataType::S16:
+      return MPI_INT16_T;
+    case ffi::DataType::S32:
+      return MPI_INT32_T;
+    case ffi::DataType::S64:
+      return MPI_INT64_T;
+    case ffi::DataType::U8:
+      return MPI_UINT8_T;
+    case ffi::DataType::U16:
+      return MPI_UINT16_T;
+    case ffi::DataType::U32:
+      return MPI_UINT32_T;
+    case ffi::DataType::U64:
+      return MPI_UINT64_T;
+    case ffi::DataType::F16:
+      return MPI_UINT16_T;
+    case ffi::DataType::BF16:
+      return MPI_UINT16_T;
+    case ffi::DataType::F32:
+      return MPI_FLOAT;
+    case ffi::DataType::F64:
+      return MPI_DOUBLE;
+    case ffi::DataType::C64:
+      return MPI_C_FLOAT_COMPLEX;
+    case ffi::DataType::C128:
+      return MPI_C_DOUBLE_COMPLEX;
+    default:
+      return MPI_DATATYPE_NULL;
   }
 }
 
@@ -211,23 +247,42 @@ inline MPI_Op mpi_op(ReduceOp op, ffi::DataType dtype) {
   }
   if (dtype == ffi::DataType::PRED) {  // bool reduces with the logical operators
     switch (op) {
-      case ReduceOp::kLand: case ReduceOp::kBand: case ReduceOp::kMin: return MPI_LAND;
-      case ReduceOp::kLor: case ReduceOp::kBor: case ReduceOp::kMax: return MPI_LOR;
-      case ReduceOp::kLxor: case ReduceOp::kBxor: return MPI_LXOR;
-      default: return MPI_OP_NULL;
+      case ReduceOp::kLand:
+      case ReduceOp::kBand:
+      case ReduceOp::kMin:
+        return MPI_LAND;
+      case ReduceOp::kLor:
+      case ReduceOp::kBor:
+      case ReduceOp::kMax:
+        return MPI_LOR;
+      case ReduceOp::kLxor:
+      case ReduceOp::kBxor:
+        return MPI_LXOR;
+      default:
+        return MPI_OP_NULL;
     }
   }
   switch (op) {
-    case ReduceOp::kSum: return MPI_SUM;
-    case ReduceOp::kProd: return MPI_PROD;
-    case ReduceOp::kMax: return MPI_MAX;
-    case ReduceOp::kMin: return MPI_MIN;
-    case ReduceOp::kLand: return MPI_LAND;
-    case ReduceOp::kLor: return MPI_LOR;
-    case ReduceOp::kLxor: return MPI_LXOR;
-    case ReduceOp::kBand: return MPI_BAND;
-    case ReduceOp::kBor: return MPI_BOR;
-    case ReduceOp::kBxor: return MPI_BXOR;
+    case ReduceOp::kSum:
+      return MPI_SUM;
+    case ReduceOp::kProd:
+      return MPI_PROD;
+    case ReduceOp::kMax:
+      return MPI_MAX;
+    case ReduceOp::kMin:
+      return MPI_MIN;
+    case ReduceOp::kLand:
+      return MPI_LAND;
+    case ReduceOp::kLor:
+      return MPI_LOR;
+    case ReduceOp::kLxor:
+      return MPI_LXOR;
+    case ReduceOp::kBand:
+      return MPI_BAND;
+    case ReduceOp::kBor:
+      return MPI_BOR;
+    case ReduceOp::kBxor:
+      return MPI_BXOR;
   }
   return MPI_OP_NULL;
 }
