@@ -88,6 +88,36 @@ const char* reduce_op_name(int32_t op) {
   return op >= 0 && op < 10 ? names[op] : "?";
 }
 
+
+uint64_t fnv1a(std::string_view text) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+// Long enough for any description we compare; longer ones are cut (and still
+// differ in their hash).
+constexpr int kDescription = 160;
+
+std::string human_bytes(double n) {
+  char text[32];
+  if (n < 1024)
+    std::snprintf(text, sizeof text, "%.0f B", n);
+  else if (n < 1 << 20)
+    std::snprintf(text, sizeof text, "%.1f KiB", n / 1024);
+  else
+    std::snprintf(text, sizeof text, "%.1f MiB", n / (1 << 20));
+  return text;
+}
+
+}  // namespace
+
+namespace {
+constexpr char kMagic[8] = "jaxcomm";
+}
+
+uint64_t call_count() { return calls.load(std::memory_order_relaxed); }
+
 const char* dtype_name(ffi::DataType dtype) {
   using D = ffi::DataType;
   switch (dtype) {
@@ -126,34 +156,6 @@ const char* dtype_name(ffi::DataType dtype) {
   }
 }
 
-uint64_t fnv1a(std::string_view text) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
-// Long enough for any description we compare; longer ones are cut (and still
-// differ in their hash).
-constexpr int kDescription = 160;
-
-std::string human_bytes(double n) {
-  char text[32];
-  if (n < 1024)
-    std::snprintf(text, sizeof text, "%.0f B", n);
-  else if (n < 1 << 20)
-    std::snprintf(text, sizeof text, "%.1f KiB", n / 1024);
-  else
-    std::snprintf(text, sizeof text, "%.1f MiB", n / (1 << 20));
-  return text;
-}
-
-}  // namespace
-
-namespace {
-constexpr char kMagic[8] = "jaxcomm";
-}
-
-uint64_t call_count() { return calls.load(std::memory_order_relaxed); }
 
 std::string describe_array(ffi::DataType dtype, ffi::Span<const int64_t> dims) {
   std::string text = dtype_name(dtype);

@@ -20,6 +20,9 @@ namespace jaxcomm {
 // MPI operations started by handlers so far in this process.
 uint64_t call_count();
 
+// NumPy's name of an XLA dtype: "float32", "bfloat16", ...; "unsupported" otherwise.
+const char* dtype_name(ffi::DataType dtype);
+
 // "float32[3,4]"
 std::string describe_array(ffi::DataType dtype, ffi::Span<const int64_t> dims);
 

@@ -3,8 +3,16 @@
 #include <mpi.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
+#include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <vector>
 
 #include "call.h"
 #include "ops.h"
@@ -15,6 +23,103 @@ namespace jaxcomm {
 #define JAXCOMM_DECLARE(name, function, binding) XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxcomm_##name);
 JAXCOMM_OPERATIONS(JAXCOMM_DECLARE, _)
 #undef JAXCOMM_DECLARE
+}  // namespace jaxcomm
+
+namespace jaxcomm {
+namespace {
+
+// Eager calls run a host operation directly on the buffers of arrays that are
+// already computed, outside XLA (jaxcomm's eager fast path). Buffers arrive as
+// (address, dtype code, shape); `attrs` are the operation's attributes in the
+// order of its binding (comm, check, then the op's own).
+using RawBuffer = std::tuple<uintptr_t, int, std::vector<int64_t>>;
+
+class EagerArguments {
+ public:
+  EagerArguments(const std::vector<RawBuffer>& inputs, const std::vector<RawBuffer>& outputs,
+                 nb::tuple attrs)
+      : inputs_(describe(inputs)), outputs_(describe(outputs)), attrs_(std::move(attrs)) {
+    token_.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
+    token_.dtype = XLA_FFI_DataType_TOKEN;
+    strings_.reserve(4);  // string_views into it must stay valid
+  }
+
+  // The next argument of type T, in binding order.
+  template <typename T>
+  T next() {
+    if constexpr (std::is_same_v<T, host::Token>) {
+      return host::Token(&token_);
+    } else if constexpr (std::is_same_v<T, host::TokenOut>) {
+      return host::TokenOut(host::Token(&token_));
+    } else if constexpr (std::is_same_v<T, host::Buffer>) {
+      return host::Buffer(&inputs_.at(input_++).buffer);
+    } else if constexpr (std::is_same_v<T, host::Result>) {
+      return host::Result(host::Buffer(&outputs_.at(output_++).buffer));
+    } else if constexpr (std::is_same_v<T, host::Status>) {
+      return host::Status(host::StatusBuffer(&outputs_.at(output_++).buffer));
+    } else if constexpr (std::is_same_v<T, std::string_view>) {
+      return strings_.emplace_back(nb::cast<std::string>(attrs_[attr_++]));
+    } else {
+      return nb::cast<T>(attrs_[attr_++]);
+    }
+  }
+
+ private:
+  struct Described {
+    XLA_FFI_Buffer buffer;
+    std::vector<int64_t> dims;
+  };
+
+  static std::vector<Described> describe(const std::vector<RawBuffer>& raw) {
+    std::vector<Described> out(raw.size());
+    for (size_t i = 0; i < raw.size(); ++i) {
+      const auto& [address, dtype, dims] = raw[i];
+      out[i].dims = dims;
+      out[i].buffer.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
+      out[i].buffer.dtype = static_cast<XLA_FFI_DataType>(dtype);
+      out[i].buffer.data = reinterpret_cast<void*>(address);
+      out[i].buffer.rank = static_cast<int64_t>(dims.size());
+    }
+    for (Described& d : out) d.buffer.dims = d.dims.data();  // after the last move
+    return out;
+  }
+
+  std::vector<Described> inputs_, outputs_;
+  nb::tuple attrs_;
+  XLA_FFI_Buffer token_{};
+  std::vector<std::string> strings_;
+  size_t input_ = 0, output_ = 0, attr_ = 0;
+};
+
+const char* error_code_name(std::optional<ffi::ErrorCode> code) {
+  switch (code.value_or(ffi::ErrorCode::kUnknown)) {
+    case ffi::ErrorCode::kInvalidArgument: return "INVALID_ARGUMENT";
+    case ffi::ErrorCode::kFailedPrecondition: return "FAILED_PRECONDITION";
+    default: return "INTERNAL";
+  }
+}
+
+template <auto Function>
+struct Eager;
+
+// Returns None, or (error code name, message) when the operation fails.
+template <typename... Args, ffi::Error (*Function)(Args...)>
+struct Eager<Function> {
+  static nb::object Run(const std::vector<RawBuffer>& inputs, const std::vector<RawBuffer>& outputs,
+                        nb::tuple attrs) {
+    EagerArguments arguments(inputs, outputs, std::move(attrs));
+    std::tuple<Args...> args{arguments.template next<Args>()...};  // braces: left to right
+    ffi::Error error = ffi::Error::Success();
+    {
+      nb::gil_scoped_release unlocked;  // MPI may wait for other ranks
+      error = std::apply(Function, args);
+    }
+    if (error.success()) return nb::none();
+    return nb::make_tuple(error_code_name(error.errc()), error.message());
+  }
+};
+
+}  // namespace
 }  // namespace jaxcomm
 
 namespace {
@@ -44,6 +149,18 @@ NB_MODULE(_jaxcomm_cpu, m) {
 #undef JAXCOMM_REGISTER
     return targets;
   });
+  nb::dict eager;
+#define JAXCOMM_EAGER(name, function, binding) \
+  eager[#name] = nb::cpp_function(&jaxcomm::Eager<&jaxcomm::host::function>::Run);
+  JAXCOMM_OPERATIONS(JAXCOMM_EAGER, _)
+#undef JAXCOMM_EAGER
+  m.attr("eager") = eager;
+  nb::dict dtype_codes;
+  for (int code = 0; code < 64; ++code) {
+    const char* name = jaxcomm::dtype_name(static_cast<xla::ffi::DataType>(code));
+    if (std::string_view(name) != "unsupported") dtype_codes[name] = code;
+  }
+  m.attr("dtype_codes") = dtype_codes;
   m.def("mpi_library_version", &library_version,
         "MPI_Get_library_version of the libmpi this module is linked to.");
   m.def("mpi_initialized", &initialized,

@@ -14,10 +14,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax._src import core, dispatch, effects
 from jax._src.interpreters import mlir
+from jax._src.lib import xla_client
 
-__all__ = ["COMM_EFFECT", "apply_primitive", "lower_identity", "lower_with_token"]
+__all__ = ["COMM_EFFECT", "apply_primitive", "host_array", "lower_identity", "lower_with_token"]
 
 
 class CommEffect(effects.Effect):
@@ -52,6 +54,13 @@ for _registry in (
 def apply_primitive(primitive: core.Primitive, *args: Any, **params: Any) -> Any:
     """Eager evaluation: compile the single primitive once per signature and run it."""
     return dispatch.apply_primitive(primitive, *args, **params)
+
+
+def host_array(value: np.ndarray, aval: core.ShapedArray, device: Any) -> jax.Array:
+    """A jax.Array on the CPU `device` that shares `value`'s memory (64-byte aligned
+    NumPy data is not copied): what jax.device_put does, without its Python layers."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return xla_client.batched_device_put(aval, sharding, [value], [device], True)
 
 
 def lower_with_token(

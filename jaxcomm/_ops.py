@@ -7,6 +7,8 @@ mirrored by jaxcomm::ReduceOp in jaxcomm.h) and the tests.
 from __future__ import annotations
 
 import enum
+import functools
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -68,9 +70,14 @@ def as_reduce_op(op: MPI.Op | str | ReduceOp) -> ReduceOp:
     raise ValueError(f"op={op!r} is not a supported reduction; use an MPI.Op or one of: {names}")
 
 
+@functools.cache
+def dtype_name(dtype: Any) -> str:
+    return jnp.dtype(dtype).name
+
+
 def check_dtype(operation: str, dtype: np.dtype) -> None:
     """Raise TypeError if jaxcomm cannot transfer arrays of `dtype`."""
-    if jnp.dtype(dtype).name not in DTYPES:
+    if dtype_name(dtype) not in DTYPES:
         raise TypeError(
             f"{operation}: dtype {jnp.dtype(dtype).name} is not supported; "
             f"supported dtypes: {', '.join(DTYPES)}"
@@ -80,7 +87,7 @@ def check_dtype(operation: str, dtype: np.dtype) -> None:
 def check_reduction(operation: str, op: ReduceOp, dtype: np.dtype) -> None:
     """Raise TypeError if `op` cannot reduce arrays of `dtype`."""
     check_dtype(operation, dtype)
-    name = jnp.dtype(dtype).name
+    name = dtype_name(dtype)
     if name not in VALID_DTYPES[op]:
         raise TypeError(
             f"{operation}: op={op.name} is not defined for dtype {name}; "

@@ -13,7 +13,6 @@ even when its cotangent is a symbolic zero, and it always communicates.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -23,6 +22,7 @@ from jax import core, lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from jaxcomm import _eager
 from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
 from jaxcomm._native import PLATFORMS
 
@@ -65,7 +65,13 @@ def comm_primitive(
     """
     primitive = Primitive(f"jaxcomm_{name}")
     primitive.multiple_results = True
-    primitive.def_impl(partial(apply_primitive, primitive))
+
+    def impl(*args: Any, comm: CommInfo, **params: Any) -> Sequence[Any]:
+        if _eager.can_run(args):
+            return _eager.run(name, abstract_eval, attrs, args, comm, params)
+        return apply_primitive(primitive, *args, comm=comm, **params)
+
+    primitive.def_impl(impl)
     primitive.def_effectful_abstract_eval(
         lambda *avals, **params: (abstract_eval(*avals, **params), {COMM_EFFECT})
     )

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from jaxcomm import _collectives, _kernels, _p2p, _reductions
+from jaxcomm import _collectives, _eager, _kernels, _p2p, _reductions
 from jaxcomm._ops import ReduceOp, as_reduce_op, check_dtype, check_reduction
 from jaxcomm._primitive import CommInfo
 
@@ -46,10 +46,15 @@ def _check_from_environment() -> bool:
 
 
 def _dispatch(body, *arrays: Any, **static: Any) -> Any:
-    """body(*arrays, **static), inline while tracing; otherwise as one cached jitted
-    call: JAX dispatches that faster than the primitives one by one, and a pytree
-    becomes one dispatch instead of one per leaf."""
-    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(arrays)):
+    """body(*arrays, **static): inline while tracing or on the eager fast path
+    (jaxcomm._eager); otherwise as one cached jitted call, which JAX dispatches
+    faster than the primitives one by one."""
+    leaves = jax.tree.leaves(arrays)
+    if any(isinstance(a, jax.core.Tracer) for a in leaves):
+        return body(*arrays, **static)
+    if _eager.can_run(leaves):
+        if "fuse" in static:  # direct calls cost less than eager concatenation
+            static = {**static, "fuse": False}
         return body(*arrays, **static)
     return _jitted(body, tuple(sorted(static.items())), *arrays)
 
@@ -247,7 +252,7 @@ class JaxComm:
 
     def _leaves(self, operation: str, x: PyTree, op: ReduceOp | None = None):
         leaves, tree = jax.tree.flatten(x)
-        leaves = [jnp.asarray(leaf) for leaf in leaves]
+        leaves = [leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf) for leaf in leaves]
         for leaf in leaves:
             if op is None:
                 check_dtype(operation, leaf.dtype)

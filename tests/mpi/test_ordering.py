@@ -75,3 +75,28 @@ def test_many_ops_one_jit_keep_order(comm):
 
     assert_values(f(jnp.zeros(3)), np.full(3, 10.0, FLOAT))
     other.free()
+
+
+def test_eager_call_waits_for_pending_jitted_calls(comm):
+    """An eager call (the direct path) must not overtake a jitted call dispatched
+    before it that is still running."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    ready = jnp.arange(4.0).block_until_ready()  # nothing to wait for on its own
+    if comm.rank == 0:
+
+        @jax.jit
+        def slow_send(x):
+            for _ in range(20):  # keep XLA busy while Python moves on
+                x = jnp.tanh(x @ x)
+            comm.send(x[0, :4], dest=1, tag=1)
+
+        slow_send(jnp.eye(400) * 0.5)  # returns before it has run
+        comm.send(ready, dest=1, tag=2)
+    elif comm.rank == 1:
+        tags = []
+        for _ in range(2):
+            _, status = comm.recv(jnp.zeros(4), return_status=True)
+            tags.append(int(status.tag))
+        assert tags == [1, 2]
+    comm.barrier()
