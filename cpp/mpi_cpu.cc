@@ -364,8 +364,9 @@ ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, 
   int size;
   MPI_Comm_size(comm, &size);
   Block block(x.element_count() / size, type);
-  JAXCOMM_CHECK_MPI(MPI_Alltoall(x.untyped_data(), block.count(), block.type(), out->untyped_data(),
-                                 block.count(), block.type(), comm),
+  const bool in_place = bytes(out) == bytes(x);
+  JAXCOMM_CHECK_MPI(MPI_Alltoall(in_place ? MPI_IN_PLACE : x.untyped_data(), block.count(), block.type(),
+                                 out->untyped_data(), block.count(), block.type(), comm),
                     "alltoall", comm);
   return ffi::Error::Success();
 }

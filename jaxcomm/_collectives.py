@@ -40,7 +40,7 @@ bcast_p = comm_primitive("bcast", same_shape, attrs=("root",), aliases=in_place)
 gather_p = comm_primitive("gather", _gather_shape, attrs=("root",))
 allgather_p = comm_primitive("allgather", _stacked)
 scatter_p = comm_primitive("scatter", _scatter_shape, attrs=("root",))
-alltoall_p = comm_primitive("alltoall", same_shape)
+alltoall_p = comm_primitive("alltoall", same_shape, aliases=in_place)
 
 
 def bcast(x, *, comm: CommInfo, root: int):

@@ -95,15 +95,20 @@ def _send_leaves(leaves, *, comm, dest, tag):
 
 
 def _recv_leaves(leaves, *, comm, source, tag):
-    results, status = [], jnp.array([source, tag], np.int32)
+    results, status = [], None
     for leaf in leaves:
         out, status = _p2p.recv(leaf, comm=comm, source=source, tag=tag)
         results.append(out)
-    return results, status
+    return results, _no_message(source, tag) if status is None else status
+
+
+def _no_message(source, tag):
+    """The status of an empty pytree's receive: nothing arrived."""
+    return jnp.array([source, tag], np.int32)
 
 
 def _sendrecv_leaves(send_leaves, *, comm, templates, source, dest, sendtag, recvtag):
-    results, status = [], jnp.array([source, recvtag], np.int32)
+    results, status = [], None
     for leaf, (shape, dtype) in zip(send_leaves, templates, strict=True):
         out, status = _p2p.sendrecv(
             leaf,
@@ -116,7 +121,7 @@ def _sendrecv_leaves(send_leaves, *, comm, templates, source, dest, sendtag, rec
             recvtag=recvtag,
         )
         results.append(out)
-    return results, status
+    return results, _no_message(source, recvtag) if status is None else status
 
 
 def _signed64(handle: int) -> int:

@@ -14,6 +14,7 @@ IN_PLACE = {
     "scan": lambda comm: comm.scan,
     "exscan": lambda comm: comm.exscan,
     "bcast": lambda comm: lambda x: comm.bcast(x, root=comm.size - 1),
+    "alltoall": lambda comm: comm.alltoall,
     "sendrecv ring": lambda comm: (
         lambda x: comm.sendrecv(
             x, source=(comm.rank - 1) % comm.size, dest=(comm.rank + 1) % comm.size
@@ -33,7 +34,7 @@ IN_PLACE = {
 @pytest.mark.parametrize("name", list(IN_PLACE))
 def test_donated_input_is_reused(comm, name, dtype):
     fn = IN_PLACE[name](comm)
-    x = rank_data(comm.rank, (64, 3), dtype)
+    x = rank_data(comm.rank, (comm.size, 16, 3), dtype)
     expected = np.asarray(jax.jit(fn)(jnp.asarray(x)))
     donated = jnp.asarray(x)
     pointer = donated.unsafe_buffer_pointer()
