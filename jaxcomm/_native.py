@@ -45,6 +45,13 @@ def _load():
             f"(initialised: {cpu.mpi_initialized()}), mpi4py uses "
             f"{mpi4py_library.splitlines()[0]!r}. {_REBUILD_HINT}"
         )
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        raise ImportError(
+            "jaxcomm needs MPI initialised with MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE "
+            "(XLA runs jaxcomm's MPI calls on its own threads), but mpi4py initialised it "
+            f"with thread level {MPI.Query_thread()}. Set mpi4py.rc.thread_level to "
+            "'multiple' (mpi4py's default) or 'serialized' before importing mpi4py.MPI."
+        )
     for name, capsule in cpu.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     return cpu

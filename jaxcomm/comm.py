@@ -150,6 +150,9 @@ class JaxComm:
             raise TypeError(f"JaxComm: comm must be an mpi4py communicator, got {base!r}")
         if base.Is_inter():
             raise TypeError("JaxComm: comm must be an intracommunicator, got an intercommunicator")
+        # XLA may be running jaxcomm calls on its threads; under
+        # MPI_THREAD_SERIALIZED they must finish before this thread calls MPI.
+        jax.effects_barrier()
         self._mpi = base.Dup()
         # Errors come back as codes that the FFI handlers turn into exceptions,
         # instead of aborting the job.
@@ -201,6 +204,7 @@ class JaxComm:
 
     def split(self: Self, color: int, key: int = 0) -> Self | None:
         """Like MPI_Comm_split; None on ranks that pass color=MPI.UNDEFINED."""
+        jax.effects_barrier()  # see __init__
         part = self._mpi.Split(color, key)
         if part == MPI.COMM_NULL:
             return None

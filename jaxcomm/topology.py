@@ -108,6 +108,7 @@ def create_cart(
     dims = MPI.Compute_dims(comm.size, dims)  # fills zeros, like MPI_Dims_create
     if math.prod(dims) != comm.size:
         raise ValueError(f"create_cart: dims {dims} do not multiply to size={comm.size}")
+    jax.effects_barrier()  # no jaxcomm call may be running on XLA's threads meanwhile
     cart = comm.mpi.Create_cart(dims, periods=periods, reorder=reorder)
     try:
         return cartesian_type(type(comm))(cart, check=comm.check)

@@ -127,3 +127,31 @@ def test_exception_on_one_rank_ends_the_job(tmp_path, how):
     result = run(2, args, TIMEOUT)
     assert result.returncode != 0
     assert "ValueError: something went wrong on rank 1" in result.stderr
+
+
+def test_thread_level_below_serialized_is_refused(tmp_path):
+    script = program(tmp_path, "import jaxcomm\n")
+    result = run(1, [script], TIMEOUT, env={"MPI4PY_RC_THREAD_LEVEL": "funneled"})
+    assert result.returncode != 0
+    assert "jaxcomm needs MPI initialised with MPI_THREAD_SERIALIZED" in result.stderr
+
+
+def test_works_under_thread_serialized(tmp_path):
+    script = program(
+        tmp_path,
+        """
+        import jax, jax.numpy as jnp
+        from jaxcomm import JaxComm
+        comm = JaxComm()
+        step = jax.jit(lambda x: comm.sendrecv(comm.allreduce(x), source=1 - comm.rank,
+                                               dest=1 - comm.rank))
+        x = step(jnp.ones(3))  # still running while the next line makes a communicator
+        half = comm.split(color=0)
+        total = half.allreduce(x) + comm.bcast(jnp.full(3, comm.rank), root=1)
+        print(total.tolist(), flush=True)
+        half.free()
+        """,
+    )
+    result = run(2, [script], TIMEOUT, env={"MPI4PY_RC_THREAD_LEVEL": "serialized"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("[5.0, 5.0, 5.0]") == 2
