@@ -194,6 +194,28 @@ class Mpi4py(Backend):
 # JAX backends: jaxcomm and mpi4jax, inside one jit or one Python call per op
 
 
+#: Where the JAX backends keep their arrays (None: JAX's default device); set by
+#: run.py's --device.
+DEVICE = None
+
+
+def use_device(platform: str, comm: MPI.Intracomm) -> str:
+    """Put the JAX backends' arrays on `platform` ("cpu" or "gpu"), one GPU per
+    rank of a node; returns a description for the table's header."""
+    global DEVICE
+    import jax
+
+    devices = jax.devices(platform)
+    local_rank = comm.Split_type(MPI.COMM_TYPE_SHARED).rank
+    DEVICE = devices[local_rank % len(devices)]
+    if platform == "cpu":
+        return "cpu"
+    import jaxcomm
+
+    mode = "CUDA-aware" if jaxcomm.cuda_aware() else "staged through pinned host memory"
+    return f"{DEVICE.device_kind}, jaxcomm {mode}"
+
+
 def jax_case(op: str, count: int, call: Callable, *, jit: bool, size: int, rank: int) -> Case:
     """`call(op)` gives the single-array function of this backend for op."""
     import jax
@@ -216,7 +238,7 @@ def jax_case(op: str, count: int, call: Callable, *, jit: bool, size: int, rank:
         single = jax.jit(fn)
 
         def run(iters):
-            c = jnp.zeros(x.shape, jnp.float32).block_until_ready()
+            c = jnp.zeros(x.shape, jnp.float32, device=DEVICE).block_until_ready()
             start = time.perf_counter()
             loop(c, iters).block_until_ready()
             return time.perf_counter() - start
@@ -226,7 +248,7 @@ def jax_case(op: str, count: int, call: Callable, *, jit: bool, size: int, rank:
         feeds_back = step is fn
 
         def run(iters):
-            c = jnp.zeros(x.shape, jnp.float32).block_until_ready()
+            c = jnp.zeros(x.shape, jnp.float32, device=DEVICE).block_until_ready()
             start = time.perf_counter()
             out = c
             for _ in range(iters):
@@ -234,7 +256,7 @@ def jax_case(op: str, count: int, call: Callable, *, jit: bool, size: int, rank:
             out.block_until_ready()
             return time.perf_counter() - start
 
-    return Case(lambda: np.asarray(single(jnp.asarray(x))), run)
+    return Case(lambda: np.asarray(single(jax.device_put(x, DEVICE))), run)
 
 
 class JaxcommBackend(Backend):

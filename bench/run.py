@@ -45,6 +45,12 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, default=HERE / "results", help="output folder")
     parser.add_argument("--quick", action="store_true", help="4 B to 4 KiB, 3 repetitions")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "gpu"],
+        default="cpu",
+        help="where the JAX backends' arrays live; gpu leaves out the host-only C and mpi4py",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.max_bytes, args.reps = min(args.max_bytes, 4096), min(args.reps, 3)
@@ -61,6 +67,8 @@ def make_backends(comm: MPI.Intracomm, wanted: set[str], build_dir: Path) -> lis
     found += [B.JaxcommBackend(comm, jit=True), B.JaxcommBackend(comm, jit=False)]
     if "jaxcomm-jit-check" in wanted:  # checking mode's cost: only when asked for
         found.append(B.JaxcommBackend(comm, jit=True, check=True))
+    if B.DEVICE is not None and B.DEVICE.platform != "cpu":
+        found = [b for b in found if not isinstance(b, (B.RawMPI, B.Mpi4py))]
     return [b for b in found if not wanted or b.name in wanted]
 
 
@@ -103,7 +111,8 @@ def measure(comm, args, out_file) -> list[dict]:
                     comm.Barrier()
                     per_call = case.time(iters) / iters
                     times[name].append(comm.allreduce(per_call, op=MPI.MAX))
-            c_median = statistics.median(times["C"]) if "C" in times else math.nan
+            reference = "C" if "C" in times else next(iter(times))  # GPU runs: the first backend
+            c_median = statistics.median(times[reference])
             for name, samples in times.items():
                 record = {
                     "op": op,
@@ -112,6 +121,7 @@ def measure(comm, args, out_file) -> list[dict]:
                     "median_us": statistics.median(samples) * 1e6,
                     "min_us": min(samples) * 1e6,
                     "ratio_to_c": statistics.median(samples) / c_median,
+                    "reference": reference,
                     "iters": cases[name][1],
                     "reps": args.reps,
                     "ranks": comm.size,
@@ -217,6 +227,9 @@ def main(argv=None) -> None:
             f"# {comm.size} ranks; {MPI.Get_library_version().splitlines()[0].strip()}; "
             f"Python {platform.python_version()}; min-time {args.min_time}s; reps {args.reps}"
         )
+    where = B.use_device(args.device, comm)
+    if comm.rank == 0:
+        print(f"# JAX arrays on {where}")
     records = measure(comm, args, out_file)
     if comm.rank == 0:
         out_file.close()

@@ -1,6 +1,5 @@
 """Runs the per-rank suite in tests/mpi under mpiexec with 1 to 4 ranks."""
 
-import os
 import re
 from pathlib import Path
 
@@ -10,14 +9,8 @@ from mpirun import run
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
-def test_mpi_suite(nprocs):
-    # The >2**31-element test is opt-in (JAXCOMM_TEST_MARKS=slow): on this 2-core,
-    # 24 GiB machine it was killed for memory.
-    marks = os.environ.get("JAXCOMM_TEST_MARKS", "not slow")
-    args = ["-m", "pytest", str(HERE / "mpi"), "-q", "-x", "-p", "no:cacheprovider", "--color=no"]
-    if marks:
-        args += ["-m", marks]
+def run_suite(nprocs: int, tests: str, marks: str) -> None:
+    args = ["-m", "pytest", tests, "-q", "-x", "-p", "no:cacheprovider", "--color=no", "-m", marks]
     result = run(
         nprocs,
         args,
@@ -30,3 +23,13 @@ def test_mpi_suite(nprocs):
     assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
     assert len(summaries) == nprocs, result.stdout[-5000:]
     assert not re.search(r"\d+ (failed|error)", result.stdout), result.stdout[-5000:]
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_mpi_suite(nprocs):
+    run_suite(nprocs, str(HERE / "mpi"), "not slow")
+
+
+def test_messages_over_int_max_elements():
+    # 2 GiB per rank (int8), about 4.5 GiB peak each: run once, on 2 ranks.
+    run_suite(2, str(HERE / "mpi" / "test_large.py"), "slow")
