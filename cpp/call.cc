@@ -63,12 +63,12 @@ void watchdog_loop(double timeout) {
     std::unique_lock lock(w.mutex);
     if (!w.busy || Clock::now() - w.since < limit) continue;
     const double waited = std::chrono::duration<double>(Clock::now() - w.since).count();
+    char timing[96];
+    std::snprintf(timing, sizeof timing, " for %.1f s (JAXCOMM_TIMEOUT=%g)", waited, timeout);
     std::string message = "jaxcomm watchdog: rank " + std::to_string(world_rank()) +
-                          " has been waiting in " + w.current + " for " +
-                          std::to_string(waited).substr(0, std::to_string(waited).find('.') + 2) +
-                          " s (JAXCOMM_TIMEOUT=" + std::getenv("JAXCOMM_TIMEOUT") +
-                          "); last completed call: " + w.last +
-                          ". Its peers never made the matching call. Aborting the job.\n";
+                          " has been waiting in " + w.current + timing +
+                          "; last completed call: " + w.last +
+                          ". A peer has not made the matching call. Aborting the job.\n";
     std::fputs(message.c_str(), stderr);
     std::fflush(stderr);
     lock.unlock();
@@ -87,7 +87,6 @@ const char* reduce_op_name(int32_t op) {
                                 "lor", "lxor", "band", "bor", "bxor"};
   return op >= 0 && op < 10 ? names[op] : "?";
 }
-
 
 uint64_t fnv1a(std::string_view text) {
   uint64_t h = 1469598103934665603ull;
@@ -155,7 +154,6 @@ const char* dtype_name(ffi::DataType dtype) {
       return "unsupported";
   }
 }
-
 
 std::string describe_array(ffi::DataType dtype, ffi::Span<const int64_t> dims) {
   std::string text = dtype_name(dtype);

@@ -93,9 +93,12 @@ class EagerArguments {
 
 const char* error_code_name(std::optional<ffi::ErrorCode> code) {
   switch (code.value_or(ffi::ErrorCode::kUnknown)) {
-    case ffi::ErrorCode::kInvalidArgument: return "INVALID_ARGUMENT";
-    case ffi::ErrorCode::kFailedPrecondition: return "FAILED_PRECONDITION";
-    default: return "INTERNAL";
+    case ffi::ErrorCode::kInvalidArgument:
+      return "INVALID_ARGUMENT";
+    case ffi::ErrorCode::kFailedPrecondition:
+      return "FAILED_PRECONDITION";
+    default:
+      return "INTERNAL";
   }
 }
 

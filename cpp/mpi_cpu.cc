@@ -365,9 +365,10 @@ ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, 
   MPI_Comm_size(comm, &size);
   Block block(x.element_count() / size, type);
   const bool in_place = bytes(out) == bytes(x);
-  JAXCOMM_CHECK_MPI(MPI_Alltoall(in_place ? MPI_IN_PLACE : x.untyped_data(), block.count(), block.type(),
-                                 out->untyped_data(), block.count(), block.type(), comm),
-                    "alltoall", comm);
+  JAXCOMM_CHECK_MPI(
+      MPI_Alltoall(in_place ? MPI_IN_PLACE : x.untyped_data(), block.count(), block.type(),
+                   out->untyped_data(), block.count(), block.type(), comm),
+      "alltoall", comm);
   return ffi::Error::Success();
 }
 

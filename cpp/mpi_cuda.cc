@@ -75,10 +75,12 @@ class Arena {
 
   ffi::Error reserve(size_t bytes) {
     if (bytes <= capacity_) return ffi::Error::Success();
+    const size_t grown = std::max(bytes, capacity_ * 2);  // amortise repeated growth
+    // The previous call's copies back to the device may still read the old arena.
+    JAXCOMM_CHECK_CUDA(cudaDeviceSynchronize(), "waiting before growing the staging buffer");
     if (base_) JAXCOMM_CHECK_CUDA(cudaFreeHost(base_), "freeing the pinned staging buffer");
     base_ = nullptr;
     capacity_ = 0;
-    size_t grown = std::max(bytes, capacity_ * 2);
     JAXCOMM_CHECK_CUDA(cudaMallocHost(&base_, grown), "allocating the pinned staging buffer");
     capacity_ = grown;
     return ffi::Error::Success();
@@ -86,9 +88,21 @@ class Arena {
 
   char* base() const { return static_cast<char*>(base_); }
 
+  // Calls queue their copies on XLA's stream; the next call's copies into the
+  // arena are ordered after the last call's copies out of it only on the same
+  // stream, so a call on another stream first waits for the last one's.
+  ffi::Error settle(cudaStream_t stream) {
+    if (last_stream_ != nullptr && last_stream_ != stream) {
+      JAXCOMM_CHECK_CUDA(cudaStreamSynchronize(last_stream_), "waiting for the previous call");
+    }
+    last_stream_ = stream;
+    return ffi::Error::Success();
+  }
+
  private:
   void* base_ = nullptr;
   size_t capacity_ = 0;
+  cudaStream_t last_stream_ = nullptr;
 };
 
 Arena& arena() {
@@ -131,6 +145,7 @@ class Staging {
         total += round_up(byte_size(e.host));
       }
     }
+    if (auto err = arena().settle(stream_); err.failure()) return err;
     if (auto err = arena().reserve(total); err.failure()) return err;
     for (Entry& e : entries_) {
       const Entry& owner = e.alias < 0 ? e : entries_[e.alias];

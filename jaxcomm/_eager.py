@@ -28,9 +28,7 @@ from jaxcomm._jax_internals import host_array
 from jaxcomm._native import cpu
 
 ENABLED = os.environ.get("JAXCOMM_EAGER", "direct") != "jit"
-_CODES: dict[np.dtype, int] = {np.dtype(name): code for name, code in cpu.dtype_codes.items()
-                               if name != "bfloat16"}  # fmt: skip
-_CODES[np.dtype(jnp.bfloat16)] = cpu.dtype_codes["bfloat16"]
+_CODES: dict[np.dtype, int] = {jnp.dtype(name): code for name, code in cpu.dtype_codes.items()}
 _HOST = jax.devices("cpu")[0]
 _ALIGN = 64  # bytes: XLA's own alignment, and what lets host_array share the memory
 

@@ -10,6 +10,7 @@ pyproject.toml and tested in CI.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,8 +60,12 @@ def apply_primitive(primitive: core.Primitive, *args: Any, **params: Any) -> Any
 def host_array(value: np.ndarray, aval: core.ShapedArray, device: Any) -> jax.Array:
     """A jax.Array on the CPU `device` that shares `value`'s memory (64-byte aligned
     NumPy data is not copied): what jax.device_put does, without its Python layers."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    return xla_client.batched_device_put(aval, sharding, [value], [device], True)
+    return xla_client.batched_device_put(aval, _on(device), [value], [device], True)
+
+
+@functools.cache
+def _on(device: Any) -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(device)
 
 
 def lower_with_token(
