@@ -47,66 +47,59 @@ ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm, 
 
 }  // namespace host
 
-// token, x -> token, out, after the backend's context arguments `base`; every op
-// names its communicator "comm" and its checking-mode flag "check".
+// Bindings start after the backend's context arguments `base` (none on CPU, the
+// stream on CUDA); every op's buffers are followed by its communicator "comm" and
+// its checking-mode flag "check".
 template <typename Binding>
-auto unary(Binding base) {
-  return std::move(base)
-      .template Arg<host::Token>()
-      .template Arg<host::Buffer>()
-      .template Ret<host::Token>()
-      .template Ret<host::Buffer>()
-      .template Attr<int64_t>("comm")
-      .template Attr<bool>("check");
+auto with_comm(Binding&& binding) {
+  return std::forward<Binding>(binding).template Attr<int64_t>("comm").template Attr<bool>("check");
 }
 
+// token, x -> token, ...
 template <typename Binding>
-auto point_to_point(Binding base) {
-  return std::move(base)
+auto one_input(Binding&& base) {
+  return std::forward<Binding>(base)
       .template Arg<host::Token>()
       .template Arg<host::Buffer>()
       .template Ret<host::Token>();
 }
 
+// token, x -> token, out
+template <typename Binding>
+auto unary(Binding&& base) {
+  return with_comm(one_input(std::forward<Binding>(base)).template Ret<host::Buffer>());
+}
+
+// token, x -> token, out, status (source, tag)
+template <typename Binding>
+auto receiving(Binding&& base) {
+  return with_comm(one_input(std::forward<Binding>(base))
+                       .template Ret<host::Buffer>()
+                       .template Ret<host::StatusBuffer>());
+}
+
 // X(name, function, binding) for every operation: the FFI target is "jaxcomm_<name>"
 // on every platform.
-#define JAXCOMM_OPERATIONS(X, base)                                                       \
-  X(allreduce, Allreduce, unary(base).Attr<int32_t>("op"))                                \
-  X(reduce, Reduce, unary(base).Attr<int32_t>("op").Attr<int32_t>("root"))                \
-  X(scan, Scan, unary(base).Attr<int32_t>("op"))                                          \
-  X(exscan, Exscan, unary(base).Attr<int32_t>("op"))                                      \
-  X(reduce_scatter, ReduceScatter, unary(base).Attr<int32_t>("op"))                       \
-  X(bcast, Bcast, unary(base).Attr<int32_t>("root"))                                      \
-  X(gather, Gather, unary(base).Attr<int32_t>("root"))                                    \
-  X(allgather, Allgather, unary(base))                                                    \
-  X(scatter, Scatter, unary(base).Attr<int32_t>("root"))                                  \
-  X(alltoall, Alltoall, unary(base))                                                      \
-  X(send, Send,                                                                           \
-    point_to_point(base)                                                                  \
-        .Attr<int64_t>("comm")                                                            \
-        .Attr<bool>("check")                                                              \
-        .Attr<int32_t>("dest")                                                            \
-        .Attr<int32_t>("tag"))                                                            \
-  X(recv, Recv,                                                                           \
-    point_to_point(base)                                                                  \
-        .Ret<host::Buffer>()                                                              \
-        .Ret<host::StatusBuffer>()                                                        \
-        .Attr<int64_t>("comm")                                                            \
-        .Attr<bool>("check")                                                              \
-        .Attr<int32_t>("source")                                                          \
-        .Attr<int32_t>("tag"))                                                            \
-  X(sendrecv, Sendrecv,                                                                   \
-    point_to_point(base)                                                                  \
-        .Ret<host::Buffer>()                                                              \
-        .Ret<host::StatusBuffer>()                                                        \
-        .Attr<int64_t>("comm")                                                            \
-        .Attr<bool>("check")                                                              \
-        .Attr<int32_t>("source")                                                          \
-        .Attr<int32_t>("dest")                                                            \
-        .Attr<int32_t>("sendtag")                                                         \
-        .Attr<int32_t>("recvtag"))                                                        \
-  X(barrier, Barrier,                                                                     \
-    base.Arg<host::Token>().Ret<host::Token>().Attr<int64_t>("comm").Attr<bool>("check")) \
+#define JAXCOMM_OPERATIONS(X, base)                                                    \
+  X(allreduce, Allreduce, unary(base).Attr<int32_t>("op"))                             \
+  X(reduce, Reduce, unary(base).Attr<int32_t>("op").Attr<int32_t>("root"))             \
+  X(scan, Scan, unary(base).Attr<int32_t>("op"))                                       \
+  X(exscan, Exscan, unary(base).Attr<int32_t>("op"))                                   \
+  X(reduce_scatter, ReduceScatter, unary(base).Attr<int32_t>("op"))                    \
+  X(bcast, Bcast, unary(base).Attr<int32_t>("root"))                                   \
+  X(gather, Gather, unary(base).Attr<int32_t>("root"))                                 \
+  X(allgather, Allgather, unary(base))                                                 \
+  X(scatter, Scatter, unary(base).Attr<int32_t>("root"))                               \
+  X(alltoall, Alltoall, unary(base))                                                   \
+  X(send, Send, with_comm(one_input(base)).Attr<int32_t>("dest").Attr<int32_t>("tag")) \
+  X(recv, Recv, receiving(base).Attr<int32_t>("source").Attr<int32_t>("tag"))          \
+  X(sendrecv, Sendrecv,                                                                \
+    receiving(base)                                                                    \
+        .Attr<int32_t>("source")                                                       \
+        .Attr<int32_t>("dest")                                                         \
+        .Attr<int32_t>("sendtag")                                                      \
+        .Attr<int32_t>("recvtag"))                                                     \
+  X(barrier, Barrier, with_comm(base.Arg<host::Token>().Ret<host::Token>()))           \
   X(check_replicated, CheckReplicated, unary(base).Attr<std::string_view>("operation"))
 
 }  // namespace jaxcomm

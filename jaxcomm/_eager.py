@@ -29,7 +29,6 @@ from jaxcomm._native import cpu
 
 ENABLED = os.environ.get("JAXCOMM_EAGER", "direct") != "jit"
 _CODES: dict[np.dtype, int] = {jnp.dtype(name): code for name, code in cpu.dtype_codes.items()}
-_HOST = jax.devices("cpu")[0]
 _ALIGN = 64  # bytes: XLA's own alignment, and what lets host_array share the memory
 
 
@@ -46,9 +45,14 @@ def can_run(arrays: Sequence[Any]) -> bool:
 
 
 @functools.cache
+def platforms(sharding: jax.sharding.Sharding) -> frozenset[str]:
+    """The platforms ("cpu", "gpu", ...) of the devices an array is on."""
+    return frozenset(device.platform for device in sharding.device_set)
+
+
+@functools.cache
 def _on_one_host_device(sharding: jax.sharding.Sharding) -> bool:
-    devices = sharding.device_set
-    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+    return len(sharding.device_set) == 1 and platforms(sharding) == {"cpu"}
 
 
 def _empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -83,4 +87,7 @@ def run(
     if failure is not None:
         code, message = failure
         raise jax.errors.JaxRuntimeError(f"{code}: {message}")
-    return [host_array(o, aval, _HOST) for o, aval in zip(outputs, avals, strict=True)]
+    if not outputs:
+        return []
+    device = next(iter(args[0].sharding.device_set))  # every operation with results has an input
+    return [host_array(o, aval, device) for o, aval in zip(outputs, avals, strict=True)]

@@ -50,11 +50,7 @@ def _dispatch(body, *arrays: Any, **static: Any) -> Any:
     (jaxcomm._eager); otherwise as one cached jitted call, which JAX dispatches
     faster than the primitives one by one."""
     leaves = jax.tree.leaves(arrays)
-    if any(isinstance(a, jax.core.Tracer) for a in leaves):
-        return body(*arrays, **static)
-    if _eager.can_run(leaves):
-        if "fuse" in static:  # direct calls cost less than eager concatenation
-            static = {**static, "fuse": False}
+    if any(isinstance(a, jax.core.Tracer) for a in leaves) or _eager.can_run(leaves):
         return body(*arrays, **static)
     return _jitted(body, tuple(sorted(static.items())), *arrays)
 
@@ -69,8 +65,10 @@ FUSE_BELOW_BYTES = 1 << 16
 
 
 def _map_leaves(leaves, *, fn, fuse=False, **params):
-    """fn(leaf) for every leaf. With `fuse` (for element-wise ops), small leaves
-    of one dtype are flattened into one array so that they cost one MPI call."""
+    """fn(leaf) for every leaf. With `fuse` (for element-wise ops) and while
+    tracing, small leaves of one dtype are flattened into one array so that they
+    cost one MPI call; eager direct calls cost less than concatenating eagerly."""
+    fuse = fuse and any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
     results = list(leaves)
     groups: dict[Any, list[int]] = {}
     for i, leaf in enumerate(leaves):
@@ -267,12 +265,13 @@ class JaxComm:
                 check_dtype(operation, leaf.dtype)
             else:
                 check_reduction(operation, op, leaf.dtype)
-        platforms = {
-            device.platform
-            for leaf in leaves
-            if not isinstance(leaf, jax.core.Tracer)
-            for device in leaf.devices()
-        }
+        platforms = set().union(
+            *(
+                _eager.platforms(leaf.sharding)
+                for leaf in leaves
+                if not isinstance(leaf, jax.core.Tracer)
+            )
+        )
         if len(platforms) > 1:
             raise ValueError(
                 f"{operation}: the arrays are on different platforms "

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -49,3 +50,13 @@ def run(nprocs: int, args: list[str], timeout: float, env: dict[str, str] | None
     full_env = launch_environment(env)
     command += [sys.executable, *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def rank_outputs(nprocs: int, script: str, *args: str, timeout: float = 300) -> list[str]:
+    """Run `python script args...` on nprocs ranks; each rank's stdout, in rank order
+    (through rank_output.py: mpiexec may interleave ranks' output even in a line)."""
+    with tempfile.TemporaryDirectory() as out:
+        wrapper = str(Path(__file__).with_name("rank_output.py"))
+        result = run(nprocs, [wrapper, out, script, *args], timeout=timeout)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return [(Path(out) / f"rank-{r}.txt").read_text() for r in range(nprocs)]

@@ -5,12 +5,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-from mpirun import launch_environment, run
+from mpirun import launch_environment, rank_outputs
 
 HERE = Path(__file__).parent
 EXAMPLES = HERE.parent / "examples"
@@ -20,11 +19,7 @@ SIXES = "[[6. 6. 6.]\n [6. 6. 6.]\n [6. 6. 6.]]"
 
 def run_example(name, nprocs, *args):
     """Each rank's stdout, in rank order."""
-    with tempfile.TemporaryDirectory() as out:
-        script = [str(HERE / "rank_output.py"), out, str(EXAMPLES / name), *args]
-        result = run(nprocs, script, timeout=300)
-        assert result.returncode == 0, result.stdout + result.stderr
-        return [(Path(out) / f"rank-{r}.txt").read_text() for r in range(nprocs)]
+    return rank_outputs(nprocs, str(EXAMPLES / name), *args)
 
 
 def test_global_sum():

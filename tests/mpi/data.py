@@ -92,5 +92,9 @@ INVALID_CASES = [
     (op, dtype) for op in ReduceOp for dtype in DTYPES if dtype not in VALID_DTYPES[op]
 ]
 
+#: The collective operations with an array in and an array out.
+COLLECTIVES = ("allreduce", "reduce", "scan", "exscan", "bcast", "gather", "allgather", "scatter",
+               "alltoall", "reduce_scatter")  # fmt: skip
+
 #: The default float dtype of jnp.zeros/jnp.ones in the test session.
 FLOAT = jnp.zeros(()).dtype

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from data import assert_values, rank_data
+from data import COLLECTIVES, assert_values, rank_data
 
 import jaxcomm
 
@@ -24,18 +24,7 @@ pytestmark = [
     pytest.mark.skipif(not gpus(), reason="no GPU visible to JAX"),
 ]
 
-OPS = [
-    "allreduce",
-    "reduce",
-    "scan",
-    "exscan",
-    "bcast",
-    "gather",
-    "allgather",
-    "scatter",
-    "alltoall",
-    "reduce_scatter",
-]
+OPS = COLLECTIVES
 DTYPES = ["float32", "float64", "int32", "bfloat16", "complex64", "bool"]
 
 

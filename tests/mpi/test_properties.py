@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from data import assert_values, expected_reduction, rank_data
+from data import COLLECTIVES, assert_values, expected_reduction, rank_data
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -20,17 +20,8 @@ SETTINGS = settings(
     database=None,
     suppress_health_check=list(HealthCheck),
 )
-OPS = [
-    "allreduce",
-    "reduce",
-    "scan",
-    "bcast",
-    "gather",
-    "allgather",
-    "scatter",
-    "alltoall",
-    "reduce_scatter",
-]
+# exscan is left to test_reductions: expected() does not model its rank-0 identity.
+OPS = [op for op in COLLECTIVES if op != "exscan"]
 CLEAN = (ValueError, TypeError)
 
 
