@@ -36,7 +36,7 @@ def parse_args(argv=None):
     parser.add_argument("--min-bytes", type=int, default=4)
     parser.add_argument("--max-bytes", type=int, default=16 << 20)
     parser.add_argument("--reps", type=int, default=9, help="repetitions (at least 9 for reports)")
-    parser.add_argument("--min-time", type=float, default=0.01, help="seconds per timed loop")
+    parser.add_argument("--min-time", type=float, default=0.05, help="seconds per timed loop")
     parser.add_argument(
         "--backends",
         default="",

@@ -13,7 +13,6 @@
 #include <complex>
 #include <cstring>
 #include <limits>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -23,6 +22,59 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm::host {
+
+// ---------------------------------------------------------------------------
+// Buffer contents
+
+namespace {
+
+thread_local const Memory* current_memory = nullptr;
+
+template <typename T>
+void fill_as(void* to, const void* element, int64_t count) {
+  T value;
+  std::memcpy(&value, element, sizeof value);
+  std::fill_n(static_cast<T*>(to), count, value);
+}
+
+struct Bytes16 {
+  unsigned char b[16];
+};
+
+}  // namespace
+
+void Memory::copy(void* to, const void* from, size_t bytes) const {
+  if (bytes > 0) std::memcpy(to, from, bytes);
+}
+
+void Memory::fill(void* to, const void* element, size_t width, int64_t count) const {
+  switch (width) {
+    case 1:
+      std::memset(to, *static_cast<const unsigned char*>(element), static_cast<size_t>(count));
+      return;
+    case 2:
+      return fill_as<uint16_t>(to, element, count);
+    case 4:
+      return fill_as<uint32_t>(to, element, count);
+    case 8:
+      return fill_as<uint64_t>(to, element, count);
+    default:
+      return fill_as<Bytes16>(to, element, count);
+  }
+}
+
+void Memory::edit(void* data, size_t, const std::function<void(void*)>& change) const {
+  change(data);
+}
+
+const Memory& memory() {
+  static const Memory host_memory;
+  return current_memory ? *current_memory : host_memory;
+}
+
+UseMemory::UseMemory(const Memory& m) : previous_(current_memory) { current_memory = &m; }
+UseMemory::~UseMemory() { current_memory = previous_; }
+
 namespace {
 
 char* bytes(const Buffer& b) { return static_cast<char*>(b.untyped_data()); }
@@ -31,7 +83,12 @@ char* bytes(Result& b) { return static_cast<char*>(b->untyped_data()); }
 size_t element_size(const Buffer& b) { return ffi::ByteWidth(b.element_type()); }
 
 void copy_if_distinct(Result& out, const Buffer& in) {
-  if (bytes(out) != bytes(in)) std::memcpy(bytes(out), bytes(in), in.size_bytes());
+  if (bytes(out) != bytes(in)) memory().copy(bytes(out), bytes(in), in.size_bytes());
+}
+
+void zero(Result& out) {
+  const unsigned char nothing = 0;
+  memory().fill(out->untyped_data(), &nothing, 1, static_cast<int64_t>(out->size_bytes()));
 }
 
 ffi::Error datatype_of(const Buffer& x, std::string_view op, MPI_Datatype* type) {
@@ -61,79 +118,87 @@ int reduce_pieces(const void* in, void* out, int64_t count, MPI_Datatype type, C
   });
 }
 
-// Writes the identity of `op` into n elements: exscan's result on rank 0.
+// One element holding the identity of a reduction: exscan's result on rank 0.
+struct Element {
+  alignas(16) unsigned char bytes[16] = {};
+  size_t width = 1;
+};
+
 template <typename T>
-void fill(void* out, int64_t n, T value) {
-  std::fill_n(static_cast<T*>(out), n, value);
+Element element(T value) {
+  static_assert(sizeof(T) <= sizeof(Element::bytes));
+  Element e;
+  std::memcpy(e.bytes, &value, sizeof value);
+  e.width = sizeof value;
+  return e;
 }
 
 template <typename T>
-void fill_identity_as(void* out, int64_t n, ReduceOp op) {
+T identity_as(ReduceOp op) {
   switch (op) {
     case ReduceOp::kProd:
     case ReduceOp::kLand:
-      return fill<T>(out, n, T(1));
+      return T(1);
     case ReduceOp::kBand:
-      if constexpr (std::is_integral_v<T>) return fill<T>(out, n, static_cast<T>(~T(0)));
+      if constexpr (std::is_integral_v<T>) return static_cast<T>(~T(0));
       break;
     case ReduceOp::kMax:
-      if constexpr (std::is_floating_point_v<T>)
-        return fill<T>(out, n, -std::numeric_limits<T>::infinity());
-      if constexpr (std::is_integral_v<T>) return fill<T>(out, n, std::numeric_limits<T>::lowest());
+      if constexpr (std::is_floating_point_v<T>) return -std::numeric_limits<T>::infinity();
+      if constexpr (std::is_integral_v<T>) return std::numeric_limits<T>::lowest();
       break;
     case ReduceOp::kMin:
-      if constexpr (std::is_floating_point_v<T>)
-        return fill<T>(out, n, std::numeric_limits<T>::infinity());
-      if constexpr (std::is_integral_v<T>) return fill<T>(out, n, std::numeric_limits<T>::max());
+      if constexpr (std::is_floating_point_v<T>) return std::numeric_limits<T>::infinity();
+      if constexpr (std::is_integral_v<T>) return std::numeric_limits<T>::max();
       break;
     default:
       break;
   }
-  std::memset(out, 0, n * sizeof(T));
+  return T(0);
 }
 
-void fill_identity(void* out, int64_t n, ffi::DataType dtype, ReduceOp op) {
+Element identity(ffi::DataType dtype, ReduceOp op) {
   using D = ffi::DataType;
   switch (dtype) {
     case D::PRED:
-      return fill<uint8_t>(out, n,
-                           op == ReduceOp::kLand || op == ReduceOp::kBand || op == ReduceOp::kMin);
+      return element<uint8_t>(op == ReduceOp::kLand || op == ReduceOp::kBand ||
+                              op == ReduceOp::kMin);
     case D::S8:
-      return fill_identity_as<int8_t>(out, n, op);
+      return element(identity_as<int8_t>(op));
     case D::S16:
-      return fill_identity_as<int16_t>(out, n, op);
+      return element(identity_as<int16_t>(op));
     case D::S32:
-      return fill_identity_as<int32_t>(out, n, op);
+      return element(identity_as<int32_t>(op));
     case D::S64:
-      return fill_identity_as<int64_t>(out, n, op);
+      return element(identity_as<int64_t>(op));
     case D::U8:
-      return fill_identity_as<uint8_t>(out, n, op);
+      return element(identity_as<uint8_t>(op));
     case D::U16:
-      return fill_identity_as<uint16_t>(out, n, op);
+      return element(identity_as<uint16_t>(op));
     case D::U32:
-      return fill_identity_as<uint32_t>(out, n, op);
+      return element(identity_as<uint32_t>(op));
     case D::U64:
-      return fill_identity_as<uint64_t>(out, n, op);
+      return element(identity_as<uint64_t>(op));
     case D::F32:
-      return fill_identity_as<float>(out, n, op);
+      return element(identity_as<float>(op));
     case D::F64:
-      return fill_identity_as<double>(out, n, op);
+      return element(identity_as<double>(op));
     case D::C64:
-      return fill<std::complex<float>>(out, n, op == ReduceOp::kProd ? 1.0f : 0.0f);
+      return element(std::complex<float>(op == ReduceOp::kProd ? 1.0f : 0.0f));
     case D::C128:
-      return fill<std::complex<double>>(out, n, op == ReduceOp::kProd ? 1.0 : 0.0);
+      return element(std::complex<double>(op == ReduceOp::kProd ? 1.0 : 0.0));
     case D::F16:
-    case D::BF16: {
-      const bool bf = dtype == D::BF16;
-      float value = op == ReduceOp::kProd  ? 1.0f
-                    : op == ReduceOp::kMax ? -std::numeric_limits<float>::infinity()
-                    : op == ReduceOp::kMin ? std::numeric_limits<float>::infinity()
-                                           : 0.0f;
-      return fill<uint16_t>(out, n, bf ? half::float_to_bf16(value) : half::float_to_f16(value));
-    }
+      return element(half::float_to_f16(identity_as<float>(op)));
+    case D::BF16:
+      return element(half::float_to_bf16(identity_as<float>(op)));
     default:
-      std::memset(out, 0, n * ffi::ByteWidth(dtype));
+      return Element{};
   }
+}
+
+void fill_identity(Result& out, ReduceOp op) {
+  const Element e = identity(out->element_type(), op);
+  memory().fill(out->untyped_data(), e.bytes, e.width,
+                static_cast<int64_t>(out->size_bytes() / e.width));
 }
 
 // MPI's logical operators on integers pass a lone operand through unchanged (one
@@ -144,26 +209,30 @@ void to_truth(void* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) p[i] = p[i] != 0;
 }
 
-void normalize_logical(void* out, int64_t n, ffi::DataType dtype, int32_t op) {
+void to_truth(void* out, int64_t n, ffi::DataType dtype) {
+  switch (ffi::ByteWidth(dtype)) {
+    case 1:
+      return to_truth<uint8_t>(out, n);
+    case 2:
+      return to_truth<uint16_t>(out, n);
+    case 4:
+      return to_truth<uint32_t>(out, n);
+    default:
+      return to_truth<uint64_t>(out, n);
+  }
+}
+
+void normalize_logical(Result& out, int32_t op) {
   auto reduce_op = static_cast<ReduceOp>(op);
   if (reduce_op != ReduceOp::kLand && reduce_op != ReduceOp::kLor && reduce_op != ReduceOp::kLxor)
     return;
+  const ffi::DataType dtype = out->element_type();
   using D = ffi::DataType;
-  switch (dtype) {
-    case D::S8:
-    case D::U8:
-      return to_truth<uint8_t>(out, n);
-    case D::S16:
-    case D::U16:
-      return to_truth<uint16_t>(out, n);
-    case D::S32:
-    case D::U32:
-      return to_truth<uint32_t>(out, n);
-    case D::S64:
-    case D::U64:
-      return to_truth<uint64_t>(out, n);
-    default:
-      return;
+  for (D integer : {D::S8, D::S16, D::S32, D::S64, D::U8, D::U16, D::U32, D::U64}) {
+    if (dtype != integer) continue;
+    const int64_t n = out->element_count();
+    return memory().edit(out->untyped_data(), out->size_bytes(),
+                         [&](void* data) { to_truth(data, n, dtype); });
   }
 }
 
@@ -185,7 +254,7 @@ ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle,
                                     return MPI_Allreduce(i, o, n, type, mpi, comm);
                                   }),
                     "allreduce", comm);
-  normalize_logical(out->untyped_data(), x.element_count(), x.element_type(), op);
+  normalize_logical(out, op);
   return ffi::Error::Success();
 }
 
@@ -209,7 +278,7 @@ ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bo
                                                : MPI_Reduce(o, nullptr, n, type, mpi, root, comm);
                                   }),
                     "reduce", comm);
-  if (is_root) normalize_logical(out->untyped_data(), x.element_count(), x.element_type(), op);
+  if (is_root) normalize_logical(out, op);
   return ffi::Error::Success();
 }
 
@@ -232,10 +301,9 @@ ffi::Error scan(Buffer x, Result out, int64_t comm_handle, bool check, int32_t o
                     name, comm);
   // MPI leaves exscan's rank-0 result undefined; ours is the identity of op.
   if (kExclusive && comm_rank(comm) == 0) {
-    fill_identity(out->untyped_data(), x.element_count(), x.element_type(),
-                  static_cast<ReduceOp>(op));
+    fill_identity(out, static_cast<ReduceOp>(op));
   } else {
-    normalize_logical(out->untyped_data(), x.element_count(), x.element_type(), op);
+    normalize_logical(out, op);
   }
   return ffi::Error::Success();
 }
@@ -265,7 +333,7 @@ ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_han
     JAXCOMM_CHECK_MPI(MPI_Reduce_scatter_block(x.untyped_data(), out->untyped_data(),
                                                static_cast<int>(block), type, mpi, comm),
                       "reduce_scatter", comm);
-    normalize_logical(out->untyped_data(), block, x.element_type(), op);
+    normalize_logical(out, op);
     return ffi::Error::Success();
   }
   // Blocks too large for an int count: one chunked reduce per destination rank.
@@ -282,7 +350,7 @@ ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_han
                                      }),
                       "reduce_scatter", comm);
   }
-  normalize_logical(out->untyped_data(), block, x.element_type(), op);
+  normalize_logical(out, op);
   return ffi::Error::Success();
 }
 
@@ -386,32 +454,6 @@ void write_status(Status& status, const MPI_Status& s) {
   status->typed_data()[1] = s.MPI_TAG;
 }
 
-// Receive space for in-place sendrecv, kept between calls: MPI_Sendrecv_replace
-// allocates (and page-faults) a fresh buffer of the message's size every time.
-class ScratchLease {
- public:
-  ScratchLease() : lock_(mutex()) {}
-  ~ScratchLease() {
-    if (buffer().size() > kKeep) std::vector<char>().swap(buffer());
-  }
-  char* reserve(size_t bytes) {
-    if (buffer().size() < bytes) buffer().resize(bytes);
-    return buffer().data();
-  }
-
- private:
-  static constexpr size_t kKeep = size_t{256} << 20;
-  static std::mutex& mutex() {
-    static std::mutex m;
-    return m;
-  }
-  static std::vector<char>& buffer() {
-    static std::vector<char> b;
-    return b;
-  }
-  std::lock_guard<std::mutex> lock_;
-};
-
 // A message shorter than the buffer is an error, not a partly written result.
 ffi::Error check_count(const MPI_Status& s, MPI_Datatype type, int expected, std::string_view op) {
   if (s.MPI_SOURCE == MPI_PROC_NULL) return ffi::Error::Success();
@@ -454,7 +496,7 @@ ffi::Error Recv(Token, Buffer /*like*/, TokenOut, Result out, Status status, int
   if (auto err = call.recv_header(&source, &tag, out->element_type(), out->dimensions());
       err.failure())
     return err;
-  if (source == MPI_PROC_NULL) std::memset(out->untyped_data(), 0, out->size_bytes());
+  if (source == MPI_PROC_NULL) zero(out);
   const size_t width = ffi::ByteWidth(out->element_type());
   MPI_Status s{};
   ffi::Error piece_error = ffi::Error::Success();
@@ -501,23 +543,8 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
     MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
     return error;
   }
-  const bool in_place = bytes(out) == bytes(x);
-  if (source == MPI_PROC_NULL) {
-    if (in_place && dest != MPI_PROC_NULL) {
-      // Sending from the buffer we are about to clear: send first.
-      JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
-                                       [&](int64_t offset, int n) {
-                                         return MPI_Send(bytes(x) + offset * element_size(x), n,
-                                                         send_type, dest, sendtag, comm);
-                                       }),
-                        "sendrecv", comm);
-      dest = MPI_PROC_NULL;
-    }
-    std::memset(out->untyped_data(), 0, out->size_bytes());
-  }
+  if (source == MPI_PROC_NULL) zero(out);
   const size_t send_width = element_size(x), recv_width = ffi::ByteWidth(out->element_type());
-  ScratchLease scratch;  // in place: receive beside the data being sent, then copy
-  const bool receives = source != MPI_PROC_NULL;
   const int64_t send_count = x.element_count(), recv_count = out->element_count();
   const int64_t pieces_of = std::max(send_count, recv_count);
   MPI_Status s{};
@@ -527,13 +554,9 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
   const int result = for_each_piece(pieces_of, [&](int64_t offset, int n) {
     int sn = static_cast<int>(std::clamp<int64_t>(send_count - offset, 0, n));
     int rn = static_cast<int>(std::clamp<int64_t>(recv_count - offset, 0, n));
-    char* into = in_place ? scratch.reserve(static_cast<size_t>(rn) * recv_width)
-                          : bytes(out) + offset * recv_width;
-    int code = MPI_Sendrecv(bytes(x) + offset * send_width, sn, send_type, dest, sendtag, into, rn,
-                            recv_type, source, recvtag, comm, &s);
-    if (in_place && receives && code == MPI_SUCCESS) {
-      std::memcpy(bytes(out) + offset * recv_width, into, static_cast<size_t>(rn) * recv_width);
-    }
+    int code =
+        MPI_Sendrecv(bytes(x) + offset * send_width, sn, send_type, dest, sendtag,
+                     bytes(out) + offset * recv_width, rn, recv_type, source, recvtag, comm, &s);
     if (offset == 0 && source != MPI_PROC_NULL) {
       source = s.MPI_SOURCE;
       recvtag = s.MPI_TAG;

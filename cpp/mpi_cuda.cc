@@ -8,8 +8,11 @@
 //   The pinned arena is allocated once, grown when a call needs more, and reused;
 //   nothing is allocated per call.
 // - CUDA-aware: after synchronising the stream, device pointers go straight to
-//   MPI, for the operations whose host code never touches buffer contents itself
-//   (see kDirect below); the others stay staged.
+//   MPI; what the host code writes into buffers itself (copies, fills, exscan's
+//   identity) goes through DeviceMemory on the stream. Two kinds of call stay
+//   staged (see `direct` below): float16/bfloat16 reductions, whose MPI operators
+//   are jaxcomm's own host functions, and checking mode's check_replicated, which
+//   compares values on the host.
 #include <cuda_runtime_api.h>
 #include <mpi.h>
 #include <nanobind/nanobind.h>
@@ -202,22 +205,90 @@ class Staging {
   std::vector<Entry> entries_;
 };
 
-// Operations whose host code hands buffers to MPI and never reads or writes their
-// contents itself: with a CUDA-aware MPI they take device pointers directly.
-constexpr bool takes_device_pointers(std::string_view op) {
-  return op == "allgather" || op == "alltoall" || op == "scatter" || op == "send" ||
-         op == "barrier";
+// Buffer contents written by host code during a CUDA-aware call: work on the
+// stream, finished before the host code goes on (MPI may read the result next).
+class DeviceMemory final : public host::Memory {
+ public:
+  explicit DeviceMemory(cudaStream_t stream) : stream_(stream) {}
+
+  void copy(void* to, const void* from, size_t bytes) const override {
+    if (bytes > 0) finish(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, stream_));
+  }
+
+  void fill(void* to, const void* element, size_t width, int64_t count) const override {
+    if (count <= 0) return;
+    if (width == 1) {
+      finish(cudaMemsetAsync(to, *static_cast<const unsigned char*>(element),
+                             static_cast<size_t>(count), stream_));
+      return;
+    }
+    std::vector<char> pattern(width * static_cast<size_t>(count));
+    host::Memory::fill(pattern.data(), element, width, count);
+    finish(cudaMemcpyAsync(to, pattern.data(), pattern.size(), cudaMemcpyHostToDevice, stream_));
+  }
+
+  void edit(void* data, size_t bytes, const std::function<void(void*)>& change) const override {
+    std::vector<char> local(bytes);
+    if (!finish(cudaMemcpyAsync(local.data(), data, bytes, cudaMemcpyDeviceToHost, stream_)))
+      return;
+    change(local.data());
+    finish(cudaMemcpyAsync(data, local.data(), bytes, cudaMemcpyHostToDevice, stream_));
+  }
+
+  // The first CUDA failure of the call, if any.
+  ffi::Error status() const {
+    return error_ == cudaSuccess ? ffi::Error::Success()
+                                 : cuda_error(error_, "writing a device buffer");
+  }
+
+ private:
+  bool finish(cudaError_t queued) const {
+    cudaError_t code = queued == cudaSuccess ? cudaStreamSynchronize(stream_) : queued;
+    if (code != cudaSuccess && error_ == cudaSuccess) error_ = code;
+    return code == cudaSuccess;
+  }
+
+  cudaStream_t stream_;
+  mutable cudaError_t error_ = cudaSuccess;
+};
+
+enum class Pointers { kDevice, kDeviceUnlessHalfFloat, kHost };
+
+// Which pointers a CUDA-aware call hands to MPI.
+constexpr Pointers pointers_for(std::string_view op) {
+  if (op == "check_replicated") return Pointers::kHost;
+  if (op == "allreduce" || op == "reduce" || op == "scan" || op == "exscan" ||
+      op == "reduce_scatter")
+    return Pointers::kDeviceUnlessHalfFloat;
+  return Pointers::kDevice;
 }
 
-template <auto Function, bool kDirect>
+template <typename T>
+bool is_half_float(const T&) {
+  return false;
+}
+bool is_half_float(const host::Buffer& b) {
+  return b.element_type() == ffi::DataType::F16 || b.element_type() == ffi::DataType::BF16;
+}
+
+template <auto Function, Pointers kPointers>
 struct Staged;
 
-template <typename... Args, ffi::Error (*Function)(Args...), bool kDirect>
-struct Staged<Function, kDirect> {
+template <typename... Args, ffi::Error (*Function)(Args...), Pointers kPointers>
+struct Staged<Function, kPointers> {
+  static bool direct(const Args&... args) {
+    if (kPointers == Pointers::kHost || !cuda_aware()) return false;
+    return kPointers == Pointers::kDevice || !(is_half_float(args) || ...);
+  }
+
   static ffi::Error Call(cudaStream_t stream, Args... args) {
-    if (kDirect && cuda_aware()) {
+    if (direct(args...)) {
       JAXCOMM_CHECK_CUDA(cudaStreamSynchronize(stream), "waiting for the inputs");
-      return Function(args...);
+      DeviceMemory device(stream);
+      host::UseMemory use(device);
+      ffi::Error result = Function(args...);
+      if (auto err = device.status(); err.failure()) return err;
+      return result;
     }
     Staging staging(stream);
     std::tuple<Args...> host_args{staging.view(args)...};  // braces: left to right
@@ -229,10 +300,9 @@ struct Staged<Function, kDirect> {
 
 }  // namespace
 
-#define JAXCOMM_DEFINE_CUDA_HANDLER(name, function, binding)                                   \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name##_cuda,                                         \
-                                (Staged<&host::function, takes_device_pointers(#name)>::Call), \
-                                binding);
+#define JAXCOMM_DEFINE_CUDA_HANDLER(name, function, binding) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name##_cuda,       \
+                                (Staged<&host::function, pointers_for(#name)>::Call), binding);
 JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CUDA_HANDLER,
                    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
 #undef JAXCOMM_DEFINE_CUDA_HANDLER

@@ -37,19 +37,15 @@ def _sendrecv_shape(x, *, shape, dtype, **_):
     return [core.ShapedArray(shape, dtype), _STATUS]
 
 
-def _sendrecv_aliases(x, *, shape, dtype, **_):
-    return {0: 0} if (x.shape, x.dtype) == (shape, dtype) else None
-
-
 send_p = comm_primitive("send", lambda *_, **__: [], attrs=("dest", "tag"))
 # recv's operand is its template: only its shape and dtype are used (and its
 # buffer, when XLA can reuse it). Being an operand lets a tangent reach recv.
 recv_p = comm_primitive("recv", _recv_shape, attrs=("source", "tag"), aliases=in_place)
+# sendrecv never runs in place: receiving over the data being sent needs a
+# message-sized buffer anyway (MPI_Sendrecv_replace allocates one), so aliasing
+# would save no memory and cost a copy even where XLA could keep both arrays.
 sendrecv_p = comm_primitive(
-    "sendrecv",
-    _sendrecv_shape,
-    attrs=("source", "dest", "sendtag", "recvtag"),
-    aliases=_sendrecv_aliases,
+    "sendrecv", _sendrecv_shape, attrs=("source", "dest", "sendtag", "recvtag")
 )
 barrier_p = comm_primitive("barrier", lambda **_: [])
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from data import COLLECTIVES, assert_values, rank_data
+from mpi4py import MPI
 
 import jaxcomm
 
@@ -53,6 +54,28 @@ def test_same_values_as_cpu(comm, name, dtype, jit):
     got = fn(on_gpu(x))
     assert got.devices() == {gpus()[0]}
     assert_values(np.asarray(got), expected)
+
+
+# Results that jaxcomm's host code writes itself, not MPI: on the device in
+# CUDA-aware mode, in the staging buffers otherwise.
+WRITTEN_BY_JAXCOMM = {
+    "exscan max (identity on rank 0)": lambda comm: lambda x: comm.exscan(x, op=MPI.MAX),
+    "exscan prod float64": lambda comm: lambda x: comm.exscan(x.astype(jnp.float64), op=MPI.PROD),
+    "allreduce land on int32 (0/1)": lambda comm: lambda x: comm.allreduce(x, op=MPI.LAND),
+    "bcast (root's copy)": lambda comm: lambda x: comm.bcast(x, root=comm.size - 1),
+    "reduce (other ranks' copy)": lambda comm: lambda x: comm.reduce(x, root=0),
+    "sendrecv from PROC_NULL (zeros)": lambda comm: (
+        lambda x: comm.sendrecv(x, source=MPI.PROC_NULL, dest=MPI.PROC_NULL)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(WRITTEN_BY_JAXCOMM))
+def test_values_written_by_jaxcomm_on_gpu(comm, name):
+    fn = jax.jit(WRITTEN_BY_JAXCOMM[name](comm))
+    x = rank_data(comm.rank, (comm.size, 5), "int32")
+    expected = np.asarray(fn(jnp.asarray(x)))  # CPU
+    assert_values(np.asarray(fn(on_gpu(x))), expected)
 
 
 def test_point_to_point_on_gpu(comm):

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from data import assert_values, rank_data
-from mpi4py import MPI
 
 IN_PLACE = {
     "allreduce": lambda comm: comm.allreduce,
@@ -15,18 +14,6 @@ IN_PLACE = {
     "exscan": lambda comm: comm.exscan,
     "bcast": lambda comm: lambda x: comm.bcast(x, root=comm.size - 1),
     "alltoall": lambda comm: comm.alltoall,
-    "sendrecv ring": lambda comm: (
-        lambda x: comm.sendrecv(
-            x, source=(comm.rank - 1) % comm.size, dest=(comm.rank + 1) % comm.size
-        )
-    ),
-    "sendrecv line": lambda comm: (
-        lambda x: comm.sendrecv(
-            x,
-            source=comm.rank - 1 if comm.rank > 0 else MPI.PROC_NULL,
-            dest=comm.rank + 1 if comm.rank < comm.size - 1 else MPI.PROC_NULL,
-        )
-    ),
 }
 
 
@@ -44,7 +31,7 @@ def test_donated_input_is_reused(comm, name, dtype):
     assert_values(got, expected)
 
 
-def test_in_place_sendrecv_in_a_loop(comm):
+def test_sendrecv_in_a_donated_loop(comm):
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     step = lambda i, x: comm.sendrecv(x, source=left, dest=right)  # noqa: E731
     loop = jax.jit(lambda x: jax.lax.fori_loop(0, comm.size + 1, step, x), donate_argnums=0)
