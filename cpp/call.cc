@@ -118,38 +118,12 @@ constexpr char kMagic[8] = "jaxcomm";
 uint64_t call_count() { return calls.load(std::memory_order_relaxed); }
 
 const char* dtype_name(ffi::DataType dtype) {
-  using D = ffi::DataType;
   switch (dtype) {
-    case D::PRED:
-      return "bool";
-    case D::S8:
-      return "int8";
-    case D::S16:
-      return "int16";
-    case D::S32:
-      return "int32";
-    case D::S64:
-      return "int64";
-    case D::U8:
-      return "uint8";
-    case D::U16:
-      return "uint16";
-    case D::U32:
-      return "uint32";
-    case D::U64:
-      return "uint64";
-    case D::F16:
-      return "float16";
-    case D::BF16:
-      return "bfloat16";
-    case D::F32:
-      return "float32";
-    case D::F64:
-      return "float64";
-    case D::C64:
-      return "complex64";
-    case D::C128:
-      return "complex128";
+#define JAXCOMM_DTYPE_NAME(name, storage, text, mpi) \
+  case ffi::DataType::name:                          \
+    return text;
+    JAXCOMM_DTYPES(JAXCOMM_DTYPE_NAME)
+#undef JAXCOMM_DTYPE_NAME
     default:
       return "unsupported";
   }

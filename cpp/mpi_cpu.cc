@@ -156,43 +156,28 @@ T identity_as(ReduceOp op) {
   return T(0);
 }
 
+template <typename T>
+constexpr bool is_complex = false;
+template <typename T>
+constexpr bool is_complex<std::complex<T>> = true;
+
 Element identity(ffi::DataType dtype, ReduceOp op) {
-  using D = ffi::DataType;
-  switch (dtype) {
-    case D::PRED:
-      return element<uint8_t>(op == ReduceOp::kLand || op == ReduceOp::kBand ||
-                              op == ReduceOp::kMin);
-    case D::S8:
-      return element(identity_as<int8_t>(op));
-    case D::S16:
-      return element(identity_as<int16_t>(op));
-    case D::S32:
-      return element(identity_as<int32_t>(op));
-    case D::S64:
-      return element(identity_as<int64_t>(op));
-    case D::U8:
-      return element(identity_as<uint8_t>(op));
-    case D::U16:
-      return element(identity_as<uint16_t>(op));
-    case D::U32:
-      return element(identity_as<uint32_t>(op));
-    case D::U64:
-      return element(identity_as<uint64_t>(op));
-    case D::F32:
-      return element(identity_as<float>(op));
-    case D::F64:
-      return element(identity_as<double>(op));
-    case D::C64:
-      return element(std::complex<float>(op == ReduceOp::kProd ? 1.0f : 0.0f));
-    case D::C128:
-      return element(std::complex<double>(op == ReduceOp::kProd ? 1.0 : 0.0));
-    case D::F16:
-      return element(half::float_to_f16(identity_as<float>(op)));
-    case D::BF16:
-      return element(half::float_to_bf16(identity_as<float>(op)));
-    default:
-      return Element{};
-  }
+  Element e;
+  visit_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (std::is_same_v<T, bool>) {
+      e = element<bool>(op == ReduceOp::kLand || op == ReduceOp::kBand || op == ReduceOp::kMin);
+    } else if constexpr (std::is_same_v<T, Float16Bits>) {
+      e = element(half::float_to_f16(identity_as<float>(op)));
+    } else if constexpr (std::is_same_v<T, Bfloat16Bits>) {
+      e = element(half::float_to_bf16(identity_as<float>(op)));
+    } else if constexpr (is_complex<T>) {
+      e = element(T(op == ReduceOp::kProd ? 1 : 0));
+    } else {
+      e = element(identity_as<T>(op));
+    }
+  });
+  return e;
 }
 
 void fill_identity(Result& out, ReduceOp op) {
@@ -576,40 +561,40 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
 
 namespace {
 
-// Component i of x as a double (complex numbers have two components per element).
-double component(ffi::DataType dtype, const char* p, int64_t i) {
-  switch (dtype) {
-    case ffi::DataType::PRED:
-      return static_cast<double>(reinterpret_cast<const bool*>(p)[i]);
-    case ffi::DataType::S8:
-      return reinterpret_cast<const int8_t*>(p)[i];
-    case ffi::DataType::S16:
-      return reinterpret_cast<const int16_t*>(p)[i];
-    case ffi::DataType::S32:
-      return reinterpret_cast<const int32_t*>(p)[i];
-    case ffi::DataType::S64:
-      return static_cast<double>(reinterpret_cast<const int64_t*>(p)[i]);
-    case ffi::DataType::U8:
-      return reinterpret_cast<const uint8_t*>(p)[i];
-    case ffi::DataType::U16:
-      return reinterpret_cast<const uint16_t*>(p)[i];
-    case ffi::DataType::U32:
-      return reinterpret_cast<const uint32_t*>(p)[i];
-    case ffi::DataType::U64:
-      return static_cast<double>(reinterpret_cast<const uint64_t*>(p)[i]);
-    case ffi::DataType::F16:
-      return half::f16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
-    case ffi::DataType::BF16:
-      return half::bf16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
-    case ffi::DataType::F32:
-    case ffi::DataType::C64:
-      return reinterpret_cast<const float*>(p)[i];
-    case ffi::DataType::F64:
-    case ffi::DataType::C128:
-      return reinterpret_cast<const double*>(p)[i];
-    default:
-      return 0.0;
+// Values as doubles; a complex number is compared as its two parts.
+template <typename T>
+double as_double(T v) {
+  return static_cast<double>(v);
+}
+double as_double(Float16Bits h) { return half::f16_to_float(h.bits); }
+double as_double(Bfloat16Bits h) { return half::bf16_to_float(h.bits); }
+
+template <typename T>
+struct Part {
+  using type = T;
+};
+template <typename R>
+struct Part<std::complex<R>> {
+  using type = R;
+};
+
+struct Difference {
+  double largest = 0.0;
+  int64_t where = -1;  // in parts: complex elements count twice
+};
+
+// Where x differs most from rank 0's copy (equal NaNs are no difference).
+template <typename P>
+Difference largest_difference(const P* mine, const P* first, int64_t n) {
+  Difference d;
+  for (int64_t i = 0; i < n; ++i) {
+    const double a = as_double(mine[i]), b = as_double(first[i]);
+    if (a == b || (std::isnan(a) && std::isnan(b))) continue;
+    const double gap = std::isnan(a - b) ? INFINITY : std::fabs(a - b);
+    if (d.where < 0 || gap > d.largest) d = {gap, i};
   }
+  if (d.where >= 0 && d.largest == 0.0) d.largest = INFINITY;
+  return d;
 }
 
 }  // namespace
@@ -619,9 +604,6 @@ ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm_h
   Call call(comm_handle, check, "check_replicated", x.element_type(), x.dimensions());
   MPI_Comm comm = call.comm();
   copy_if_distinct(out, x);
-  const bool complex =
-      x.element_type() == ffi::DataType::C64 || x.element_type() == ffi::DataType::C128;
-  const int64_t n = x.element_count() * (complex ? 2 : 1);
   std::vector<char> first(x.size_bytes());
   std::memcpy(first.data(), bytes(x), first.size());
   JAXCOMM_CHECK_MPI(for_each_piece(static_cast<int64_t>(first.size()),
@@ -630,22 +612,20 @@ ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm_h
                                                       comm);
                                    }),
                     "check", comm);
+  Difference mine;
+  int parts_per_element = 1;
+  visit_dtype(x.element_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using P = typename Part<T>::type;
+    parts_per_element = sizeof(T) / sizeof(P);
+    mine = largest_difference(reinterpret_cast<const P*>(bytes(x)),
+                              reinterpret_cast<const P*>(first.data()),
+                              x.element_count() * parts_per_element);
+  });
   struct {
     double difference;
     int rank;
-  } local{0.0, comm_rank(comm)}, worst{};
-  int64_t where = -1;
-  for (int64_t i = 0; i < n; ++i) {
-    const double a = component(x.element_type(), bytes(x), i);
-    const double b = component(x.element_type(), first.data(), i);
-    if (a == b || (std::isnan(a) && std::isnan(b))) continue;
-    const double d = std::isnan(a - b) ? INFINITY : std::fabs(a - b);
-    if (where < 0 || d > local.difference) {
-      local.difference = d;
-      where = i;
-    }
-  }
-  if (where >= 0 && local.difference == 0.0) local.difference = INFINITY;
+  } local{mine.largest, comm_rank(comm)}, worst{};
   JAXCOMM_CHECK_MPI(MPI_Allreduce(&local, &worst, 1, MPI_DOUBLE_INT, MPI_MAXLOC, comm), "check",
                     comm);
   if (worst.difference == 0.0) return ffi::Error::Success();
@@ -653,8 +633,8 @@ ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm_h
       "jaxcomm check: the cotangent reaching the transpose of " + std::string(operation) +
       " is not identical on every rank (largest difference from rank 0: " +
       std::to_string(worst.difference) + ", on rank " + std::to_string(worst.rank);
-  if (where >= 0 && worst.rank == local.rank)
-    message += ", at flat index " + std::to_string(complex ? where / 2 : where);
+  if (mine.where >= 0 && worst.rank == local.rank)
+    message += ", at flat index " + std::to_string(mine.where / parts_per_element);
   message +=
       "). Its result is treated as one replicated value; mark a replicated value that "
       "feeds rank-dependent code with comm.pvary(x).";

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from data import assert_values, rank_data
 from jax.test_util import check_grads
 from mpi4py import MPI
 
@@ -283,3 +284,21 @@ def test_recv_from_any_source_is_not_differentiable(comm):
         with pytest.raises(ValueError, match="explicit source"):
             jax.jvp(lambda t: comm.recv(t), (jnp.zeros(2),), (jnp.ones(2),))
     comm.barrier()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "complex64", "int64", "bool"])
+def test_replication_check_names_the_differing_element(comm, dtype):
+    from jaxcomm import JaxComm
+    from jaxcomm._reductions import replicated_cotangent
+
+    checked = JaxComm(comm, check=True)
+    x = rank_data(0, (4, 3), dtype)
+    same = replicated_cotangent(jnp.asarray(x), comm=checked._comm, operation="allreduce")
+    assert_values(same, x)  # identical everywhere: passes through
+    if comm.size > 1:
+        if comm.rank == comm.size - 1:
+            x[2, 1] = not x[2, 1] if dtype == "bool" else x[2, 1] + 1
+        expected = "flat index 7" if comm.rank == comm.size - 1 else "not identical"
+        with pytest.raises(Exception, match=expected):
+            replicated_cotangent(jnp.asarray(x), comm=checked._comm, operation="allreduce")
+    checked.free()

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <complex>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -201,41 +202,64 @@ inline MPI_Op op(bool bfloat, ReduceOp reduce_op) {
 
 }  // namespace half
 
+// Storage of the 16-bit float dtypes: distinct types, so code that dispatches on
+// the storage type (visit_dtype) tells them apart from uint16 and each other.
+struct Float16Bits {
+  uint16_t bits;
+};
+struct Bfloat16Bits {
+  uint16_t bits;
+};
+
+// X(dtype, storage type, name, MPI datatype) for every dtype jaxcomm carries.
+// 16-bit floats travel as 16-bit words and reduce with jaxcomm's own operators.
+#define JAXCOMM_DTYPES(X)                                       \
+  X(PRED, bool, "bool", MPI_C_BOOL)                             \
+  X(S8, int8_t, "int8", MPI_INT8_T)                             \
+  X(S16, int16_t, "int16", MPI_INT16_T)                         \
+  X(S32, int32_t, "int32", MPI_INT32_T)                         \
+  X(S64, int64_t, "int64", MPI_INT64_T)                         \
+  X(U8, uint8_t, "uint8", MPI_UINT8_T)                          \
+  X(U16, uint16_t, "uint16", MPI_UINT16_T)                      \
+  X(U32, uint32_t, "uint32", MPI_UINT32_T)                      \
+  X(U64, uint64_t, "uint64", MPI_UINT64_T)                      \
+  X(F16, Float16Bits, "float16", MPI_UINT16_T)                  \
+  X(BF16, Bfloat16Bits, "bfloat16", MPI_UINT16_T)               \
+  X(F32, float, "float32", MPI_FLOAT)                           \
+  X(F64, double, "float64", MPI_DOUBLE)                         \
+  X(C64, std::complex<float>, "complex64", MPI_C_FLOAT_COMPLEX) \
+  X(C128, std::complex<double>, "complex128", MPI_C_DOUBLE_COMPLEX)
+
 // The MPI datatype that carries elements of an XLA dtype, or MPI_DATATYPE_NULL.
 inline MPI_Datatype mpi_datatype(ffi::DataType dtype) {
   switch (dtype) {
-    case ffi::DataType::PRED:
-      return MPI_C_BOOL;
-    case ffi::DataType::S8:
-      return MPI_INT8_T;
-    case ffi::DataType::S16:
-      return MPI_INT16_T;
-    case ffi::DataType::S32:
-      return MPI_INT32_T;
-    case ffi::DataType::S64:
-      return MPI_INT64_T;
-    case ffi::DataType::U8:
-      return MPI_UINT8_T;
-    case ffi::DataType::U16:
-      return MPI_UINT16_T;
-    case ffi::DataType::U32:
-      return MPI_UINT32_T;
-    case ffi::DataType::U64:
-      return MPI_UINT64_T;
-    case ffi::DataType::F16:
-      return MPI_UINT16_T;
-    case ffi::DataType::BF16:
-      return MPI_UINT16_T;
-    case ffi::DataType::F32:
-      return MPI_FLOAT;
-    case ffi::DataType::F64:
-      return MPI_DOUBLE;
-    case ffi::DataType::C64:
-      return MPI_C_FLOAT_COMPLEX;
-    case ffi::DataType::C128:
-      return MPI_C_DOUBLE_COMPLEX;
+#define JAXCOMM_MPI_DATATYPE(name, storage, text, mpi) \
+  case ffi::DataType::name:                            \
+    return mpi;
+    JAXCOMM_DTYPES(JAXCOMM_MPI_DATATYPE)
+#undef JAXCOMM_MPI_DATATYPE
     default:
       return MPI_DATATYPE_NULL;
+  }
+}
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls fn(TypeTag<storage type>{}) for dtype; false if jaxcomm does not carry it.
+template <typename Fn>
+bool visit_dtype(ffi::DataType dtype, Fn&& fn) {
+  switch (dtype) {
+#define JAXCOMM_VISIT_DTYPE(name, storage, text, mpi) \
+  case ffi::DataType::name:                           \
+    fn(TypeTag<storage>{});                           \
+    return true;
+    JAXCOMM_DTYPES(JAXCOMM_VISIT_DTYPE)
+#undef JAXCOMM_VISIT_DTYPE
+    default:
+      return false;
   }
 }
 
