@@ -67,6 +67,8 @@ void Memory::edit(void* data, size_t, const std::function<void(void*)>& change) 
   change(data);
 }
 
+bool Memory::on_host() const { return true; }
+
 const Memory& memory() {
   static const Memory host_memory;
   return current_memory ? *current_memory : host_memory;
@@ -408,14 +410,74 @@ ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, b
   return ffi::Error::Success();
 }
 
+namespace {
+
+// Blocks from this size on go through pairwise_alltoall (see there).
+constexpr int64_t kPairwiseBlockBytes = int64_t{64} << 10;
+// Its messages: large enough that their latency does not show, small enough
+// that the in-place scratch stays in cache.
+constexpr int64_t kPairwisePieceBytes = int64_t{1} << 20;
+
+int reserved_tag() {
+  static const int tag = [] {
+    int* ub = nullptr;
+    int found = 0;
+    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &found);
+    return found ? *ub : 32767;
+  }();
+  return tag;
+}
+
+// Alltoall of host memory as p rounds of pairwise exchanges: round k pairs rank r
+// with (k - r) mod p, so every pair meets once and a round's pairs run at once.
+// In place, a pair swaps its blocks through a small scratch that is reused from
+// call to call. MPI's own in-place alltoall allocates a block-sized temporary on
+// every call (MPICH and Open MPI both), whose fresh pages cost more than the
+// exchange itself for large blocks; and MPICH pairs the ranks one pair at a time.
+int pairwise_alltoall(const char* in, char* out, int64_t block_bytes, MPI_Comm comm) {
+  int rank, size;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  const bool in_place = in == out;
+  if (!in_place) memory().copy(out + rank * block_bytes, in + rank * block_bytes, block_bytes);
+  thread_local std::vector<char> scratch;
+  if (in_place) scratch.resize(std::max<size_t>(scratch.size(), kPairwisePieceBytes));
+  const int tag = reserved_tag();
+  for (int round = 0; round < size; ++round) {
+    const int partner = ((round - rank) % size + size) % size;
+    if (partner == rank) continue;
+    const int64_t start = partner * block_bytes;
+    for (int64_t offset = 0; offset < block_bytes; offset += kPairwisePieceBytes) {
+      const int n = static_cast<int>(std::min(kPairwisePieceBytes, block_bytes - offset));
+      char* to = in_place ? scratch.data() : out + start + offset;
+      if (int err = MPI_Sendrecv(in + start + offset, n, MPI_BYTE, partner, tag, to, n, MPI_BYTE,
+                                 partner, tag, comm, MPI_STATUS_IGNORE);
+          err != MPI_SUCCESS)
+        return err;
+      if (in_place) std::memcpy(out + start + offset, to, n);
+    }
+  }
+  return MPI_SUCCESS;
+}
+
+}  // namespace
+
 ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check) {
   Call call(comm_handle, check, "alltoall", x.element_type(), x.dimensions());
-  if (auto err = call.agree(); err.failure()) return err;
   MPI_Comm comm = call.comm();
-  MPI_Datatype type;
-  if (auto err = datatype_of(x, "alltoall", &type); err.failure()) return err;
   int size;
   MPI_Comm_size(comm, &size);
+  const int64_t block_bytes = static_cast<int64_t>(x.size_bytes()) / size;
+  // Only in host memory; CUDA-aware calls hand device pointers to MPI_Alltoall.
+  // Every rank has to choose alike: checking mode compares the choice.
+  const bool pairwise = block_bytes >= kPairwiseBlockBytes && memory().on_host();
+  if (auto err = call.param("pairwise", pairwise).agree(); err.failure()) return err;
+  MPI_Datatype type;
+  if (auto err = datatype_of(x, "alltoall", &type); err.failure()) return err;
+  if (pairwise) {
+    JAXCOMM_CHECK_MPI(pairwise_alltoall(bytes(x), bytes(out), block_bytes, comm), "alltoall", comm);
+    return ffi::Error::Success();
+  }
   Block block(x.element_count() / size, type);
   const bool in_place = bytes(out) == bytes(x);
   JAXCOMM_CHECK_MPI(

@@ -227,6 +227,8 @@ class DeviceMemory final : public host::Memory {
     finish(cudaMemcpyAsync(to, pattern.data(), pattern.size(), cudaMemcpyHostToDevice, stream_));
   }
 
+  bool on_host() const override { return false; }
+
   void edit(void* data, size_t bytes, const std::function<void(void*)>& change) const override {
     std::vector<char> local(bytes);
     if (!finish(cudaMemcpyAsync(local.data(), data, bytes, cudaMemcpyDeviceToHost, stream_)))

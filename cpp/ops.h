@@ -37,6 +37,9 @@ class Memory {
   virtual void fill(void* to, const void* element, size_t width, int64_t count) const;
   // Runs `change` on the buffer's contents, in host memory.
   virtual void edit(void* data, size_t bytes, const std::function<void(void*)>& change) const;
+  // Whether buffers are in host memory, where the host functions may use scratch
+  // memory of their own.
+  virtual bool on_host() const;
 };
 
 // The memory of this thread's current call.

@@ -164,8 +164,9 @@ class JaxComm:
             bool(check),
         )
         # MPI_TAG_UB is only guaranteed on COMM_WORLD (Open MPI omits it on some
-        # derived communicators).
-        self._tag_ub = self._mpi.Get_attr(MPI.TAG_UB) or MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        # derived communicators). jaxcomm's own messages (alltoall's pairwise
+        # exchanges) use that largest tag; programs get the ones below it.
+        self._tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) - 1
 
     # -- identity -------------------------------------------------------------
     @property

@@ -69,6 +69,23 @@ def test_alltoall(comm, dtype, mode):
     assert_values(out, np.stack([block(s, comm.rank) for s in range(comm.size)]))
 
 
+@pytest.mark.parametrize("mode", ["eager", "jit", "donated"])
+def test_alltoall_large_blocks(comm, mode):
+    # Blocks from 64 KiB on take jaxcomm's pairwise exchange, in 1 MiB messages:
+    # this block is two of them, the second partial.
+    count = (1 << 17) + 3  # float64
+
+    def block(src, dst):
+        return np.arange(count, dtype=np.float64) + 1000.0 * src + dst
+
+    x = jnp.asarray(np.stack([block(comm.rank, d) for d in range(comm.size)]))
+    if mode == "eager":
+        out = comm.alltoall(x)
+    else:
+        out = jax.jit(comm.alltoall, donate_argnums=0 if mode == "donated" else ())(x)
+    assert_values(out, np.stack([block(s, comm.rank) for s in range(comm.size)]))
+
+
 def test_zero_size_and_scalar(comm):
     assert_values(comm.bcast(jnp.zeros((0, 3)), root=0), np.zeros((0, 3), FLOAT))
     assert_values(

@@ -120,6 +120,11 @@ def test_bad_p2p_arguments(comm):
         comm.recv(jnp.zeros(1), source=-7)
     with pytest.raises(ValueError, match="send: tag=-3 must be between 0 and"):
         comm.send(jnp.zeros(1), dest=0, tag=-3)
+    reserved = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)  # jaxcomm's own messages
+    with pytest.raises(
+        ValueError, match=rf"send: tag={reserved} must be between 0 and {reserved - 1}"
+    ):
+        comm.send(jnp.zeros(1), dest=0, tag=reserved)
     with pytest.raises(TypeError, match="sendrecv: dest must be a Python int fixed at trace time"):
         jax.jit(lambda x, d: comm.sendrecv(x, source=0, dest=d))(jnp.zeros(1), 0)
     with pytest.raises(TypeError, match="send: tag must be a Python int fixed at trace time"):
