@@ -30,15 +30,21 @@ namespace {
 
 // Eager calls run a host operation directly on the buffers of arrays that are
 // already computed, outside XLA (jaxcomm's eager fast path). Buffers arrive as
-// (address, dtype code, shape); `attrs` are the operation's attributes in the
-// order of its binding (comm, check, then the op's own).
-using RawBuffer = std::tuple<uintptr_t, int, std::vector<int64_t>>;
+// (array, dtype code): inputs are jax.Arrays, outputs writable NumPy arrays.
+// The buffer protocol gives their memory: for a jax.Array it waits until the
+// array is computed and keeps its buffer alive until released, and it costs
+// less than jax.Array.unsafe_buffer_pointer or NumPy's ctypes attribute. `attrs`
+// are the operation's attributes in the order of its binding (comm, check, then
+// the op's own).
+using RawBuffer = std::tuple<nb::handle, int>;
 
 class EagerArguments {
  public:
   EagerArguments(const std::vector<RawBuffer>& inputs, const std::vector<RawBuffer>& outputs,
                  nb::tuple attrs)
-      : inputs_(describe(inputs)), outputs_(describe(outputs)), attrs_(std::move(attrs)) {
+      : inputs_(inputs.size()), outputs_(outputs.size()), attrs_(std::move(attrs)) {
+    for (size_t i = 0; i < inputs.size(); ++i) inputs_[i].describe(inputs[i], /*writable=*/false);
+    for (size_t i = 0; i < outputs.size(); ++i) outputs_[i].describe(outputs[i], /*writable=*/true);
     token_.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
     token_.dtype = XLA_FFI_DataType_TOKEN;
     strings_.reserve(4);  // string_views into it must stay valid
@@ -65,24 +71,44 @@ class EagerArguments {
   }
 
  private:
+  // An XLA FFI buffer description of memory that a Python object owns.
   struct Described {
-    XLA_FFI_Buffer buffer;
+    XLA_FFI_Buffer buffer{};
     std::vector<int64_t> dims;
-  };
+    Py_buffer view{};  // held until the call is over
 
-  static std::vector<Described> describe(const std::vector<RawBuffer>& raw) {
-    std::vector<Described> out(raw.size());
-    for (size_t i = 0; i < raw.size(); ++i) {
-      const auto& [address, dtype, dims] = raw[i];
-      out[i].dims = dims;
-      out[i].buffer.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
-      out[i].buffer.dtype = static_cast<XLA_FFI_DataType>(dtype);
-      out[i].buffer.data = reinterpret_cast<void*>(address);
-      out[i].buffer.rank = static_cast<int64_t>(dims.size());
+    Described() = default;
+    Described(const Described&) = delete;
+    Described& operator=(const Described&) = delete;
+    ~Described() {
+      if (view.obj != nullptr) PyBuffer_Release(&view);
     }
-    for (Described& d : out) d.buffer.dims = d.dims.data();  // after the last move
-    return out;
-  }
+
+    void describe(const RawBuffer& raw, bool writable) {
+      const auto& [array, dtype] = raw;
+      // PyBUF_ND: C-contiguous, or refused.
+      int flags = writable ? PyBUF_ND | PyBUF_WRITABLE : PyBUF_ND;
+      void* data = nullptr;
+      if (PyObject_GetBuffer(array.ptr(), &view, flags) == 0) {
+        data = view.buf;
+        dims.assign(view.shape, view.shape + view.ndim);
+      } else if (!writable && PyErr_ExceptionMatches(PyExc_BufferError)) {
+        // jax.Array refuses the protocol for dtypes that have no buffer format
+        // (bfloat16).
+        PyErr_Clear();
+        array.attr("block_until_ready")();
+        data = reinterpret_cast<void*>(nb::cast<uintptr_t>(array.attr("unsafe_buffer_pointer")()));
+        dims = nb::cast<std::vector<int64_t>>(array.attr("shape"));
+      } else {
+        throw nb::python_error();
+      }
+      buffer.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
+      buffer.dtype = static_cast<XLA_FFI_DataType>(dtype);
+      buffer.data = data;
+      buffer.rank = static_cast<int64_t>(dims.size());
+      buffer.dims = dims.data();
+    }
+  };
 
   std::vector<Described> inputs_, outputs_;
   nb::tuple attrs_;

@@ -17,10 +17,19 @@ from typing import Any
 import jax
 import numpy as np
 from jax._src import core, dispatch, effects
+from jax._src.array import ArrayImpl
 from jax._src.interpreters import mlir
 from jax._src.lib import xla_client
 
-__all__ = ["COMM_EFFECT", "apply_primitive", "host_array", "lower_identity", "lower_with_token"]
+__all__ = [
+    "COMM_EFFECT",
+    "ArrayImpl",
+    "apply_primitive",
+    "at_top_level",
+    "host_array",
+    "lower_identity",
+    "lower_with_token",
+]
 
 
 class CommEffect(effects.Effect):
@@ -55,6 +64,11 @@ for _registry in (
 def apply_primitive(primitive: core.Primitive, *args: Any, **params: Any) -> Any:
     """Eager evaluation: compile the single primitive once per signature and run it."""
     return dispatch.apply_primitive(primitive, *args, **params)
+
+
+def at_top_level() -> bool:
+    """Whether JAX is evaluating eagerly: no trace (jit, grad, vmap...) is active."""
+    return core.trace_ctx.is_top_level()
 
 
 def host_array(value: np.ndarray, aval: core.ShapedArray, device: Any) -> jax.Array:

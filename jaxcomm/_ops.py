@@ -7,8 +7,6 @@ mirrored by jaxcomm::ReduceOp in jaxcomm.h) and the tests.
 from __future__ import annotations
 
 import enum
-import functools
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -70,14 +68,15 @@ def as_reduce_op(op: MPI.Op | str | ReduceOp) -> ReduceOp:
     raise ValueError(f"op={op!r} is not a supported reduction; use an MPI.Op or one of: {names}")
 
 
-@functools.cache
-def dtype_name(dtype: Any) -> str:
-    return jnp.dtype(dtype).name
+_SUPPORTED = frozenset(jnp.dtype(name) for name in DTYPES)
+_REDUCIBLE = {
+    op: frozenset(jnp.dtype(name) for name in names) for op, names in VALID_DTYPES.items()
+}
 
 
 def check_dtype(operation: str, dtype: np.dtype) -> None:
     """Raise TypeError if jaxcomm cannot transfer arrays of `dtype`."""
-    if dtype_name(dtype) not in DTYPES:
+    if dtype not in _SUPPORTED:
         raise TypeError(
             f"{operation}: dtype {jnp.dtype(dtype).name} is not supported; "
             f"supported dtypes: {', '.join(DTYPES)}"
@@ -86,10 +85,11 @@ def check_dtype(operation: str, dtype: np.dtype) -> None:
 
 def check_reduction(operation: str, op: ReduceOp, dtype: np.dtype) -> None:
     """Raise TypeError if `op` cannot reduce arrays of `dtype`."""
+    if dtype in _REDUCIBLE[op]:
+        return
     check_dtype(operation, dtype)
-    name = dtype_name(dtype)
-    if name not in VALID_DTYPES[op]:
-        raise TypeError(
-            f"{operation}: op={op.name} is not defined for dtype {name}; "
-            f"{op.name} accepts {', '.join(VALID_DTYPES[op])}"
-        )
+    name = jnp.dtype(dtype).name
+    raise TypeError(
+        f"{operation}: op={op.name} is not defined for dtype {name}; "
+        f"{op.name} accepts {', '.join(VALID_DTYPES[op])}"
+    )

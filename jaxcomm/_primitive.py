@@ -49,6 +49,28 @@ def in_place(x, **_):
     return {0: 0}
 
 
+class CommPrimitive(Primitive):
+    """A jaxcomm operation. Outside any trace, on concrete host arrays, bind runs
+    its host code at once (jaxcomm._eager) rather than through JAX's dispatch."""
+
+    multiple_results = True
+
+    def __init__(self, name: str, abstract_eval: AbstractEval, attrs: Sequence[str]):
+        super().__init__(f"jaxcomm_{name}")
+        self._eager = _eager.EagerOp(name, abstract_eval, attrs)
+        self.def_impl(self._impl)
+
+    def bind(self, *args: Any, **params: Any) -> Sequence[Any]:
+        if _eager.can_run(args):
+            return self._eager(args, **params)
+        return super().bind(*args, **params)
+
+    def _impl(self, *args: Any, **params: Any) -> Sequence[Any]:
+        if _eager.can_run(args):  # the eval rule, for callers that reach it directly
+            return self._eager(args, **params)
+        return apply_primitive(self, *args, **params)
+
+
 def comm_primitive(
     name: str,
     abstract_eval: AbstractEval,
@@ -63,15 +85,7 @@ def comm_primitive(
     strings as string attributes). `aliases(*avals, **params)` says which outputs
     may reuse which inputs.
     """
-    primitive = Primitive(f"jaxcomm_{name}")
-    primitive.multiple_results = True
-
-    def impl(*args: Any, comm: CommInfo, **params: Any) -> Sequence[Any]:
-        if _eager.can_run(args):
-            return _eager.run(name, abstract_eval, attrs, args, comm, params)
-        return apply_primitive(primitive, *args, comm=comm, **params)
-
-    primitive.def_impl(impl)
+    primitive = CommPrimitive(name, abstract_eval, attrs)
     primitive.def_effectful_abstract_eval(
         lambda *avals, **params: (abstract_eval(*avals, **params), {COMM_EFFECT})
     )

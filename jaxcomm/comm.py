@@ -45,19 +45,18 @@ def _check_from_environment() -> bool:
     return os.environ.get("JAXCOMM_CHECK", "0").strip().lower() not in ("", "0", "false", "no")
 
 
-def _dispatch(body, *arrays: Any, **static: Any) -> Any:
-    """body(*arrays, **static): inline while tracing or on the eager fast path
-    (jaxcomm._eager); otherwise as one cached jitted call, which JAX dispatches
+def _dispatch(body, leaves: list, **static: Any) -> Any:
+    """body(leaves, **static): inline on the eager fast path (jaxcomm._eager) or
+    while tracing; otherwise as one cached jitted call, which JAX dispatches
     faster than the primitives one by one."""
-    leaves = jax.tree.leaves(arrays)
-    if any(isinstance(a, jax.core.Tracer) for a in leaves) or _eager.can_run(leaves):
-        return body(*arrays, **static)
-    return _jitted(body, tuple(sorted(static.items())), *arrays)
+    if _eager.can_run(leaves) or any(isinstance(a, jax.core.Tracer) for a in leaves):
+        return body(leaves, **static)
+    return _jitted(body, tuple(sorted(static.items())), leaves)
 
 
 @partial(jax.jit, static_argnums=(0, 1))
-def _jitted(body, static, *arrays):
-    return body(*arrays, **dict(static))
+def _jitted(body, static, leaves):
+    return body(leaves, **dict(static))
 
 
 #: Leaves smaller than this many bytes travel together: one message per dtype.
@@ -68,11 +67,12 @@ def _map_leaves(leaves, *, fn, fuse=False, **params):
     """fn(leaf) for every leaf. With `fuse` (for element-wise ops) and while
     tracing, small leaves of one dtype are flattened into one array so that they
     cost one MPI call; eager direct calls cost less than concatenating eagerly."""
-    fuse = fuse and any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+    if not (fuse and any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)):
+        return [fn(leaf, **params) for leaf in leaves]
     results = list(leaves)
     groups: dict[Any, list[int]] = {}
     for i, leaf in enumerate(leaves):
-        if fuse and leaf.size * leaf.dtype.itemsize < FUSE_BELOW_BYTES:
+        if leaf.size * leaf.dtype.itemsize < FUSE_BELOW_BYTES:
             groups.setdefault(leaf.dtype, []).append(i)
         else:
             results[i] = fn(leaf, **params)
@@ -266,6 +266,8 @@ class JaxComm:
                 check_dtype(operation, leaf.dtype)
             else:
                 check_reduction(operation, op, leaf.dtype)
+        if len(leaves) < 2:
+            return leaves, tree
         platforms = set().union(
             *(
                 _eager.platforms(leaf.sharding)

@@ -100,3 +100,28 @@ def test_eager_call_waits_for_pending_jitted_calls(comm):
             tags.append(int(status.tag))
         assert tags == [1, 2]
     comm.barrier()
+
+
+def test_eager_call_waits_for_its_input(comm):
+    """The direct path reads an input that XLA is still computing only once it is
+    ready (A = full(1/n) is idempotent: A @ A = A)."""
+    n = 384
+    a = jnp.full((n, n), 1.0 / n)
+    y = jax.jit(lambda a: jnp.linalg.matrix_power(a, 16) + comm.rank)(a)  # still running
+    total = comm.size / n + sum(range(comm.size))
+    assert_values(comm.allreduce(y), np.full((n, n), total, FLOAT))
+
+
+def test_captured_array_is_communicated_when_the_function_runs(comm):
+    """A concrete array closed over by a traced function is staged into the program,
+    not communicated once at trace time by the direct path."""
+    captured = jnp.full(2, float(comm.rank + 1))
+
+    def f():
+        return comm.allreduce(captured)
+
+    assert "jaxcomm_allreduce" in str(jax.make_jaxpr(f)())
+    expected = np.full(2, comm.size * (comm.size + 1) / 2, FLOAT)
+    jitted = jax.jit(f)
+    assert_values(jitted(), expected)
+    assert_values(jitted(), expected)
