@@ -32,6 +32,11 @@ def test_mpi_suite(nprocs):
     run_suite(nprocs, str(HERE / "mpi"), "not slow")
 
 
+def test_mpi_suite_eager_through_jax():
+    # JAXCOMM_EAGER=jit sends eager calls through JAX's dispatch, not the direct path.
+    run_suite(2, str(HERE / "mpi"), "not slow", env={"JAXCOMM_EAGER": "jit"})
+
+
 def test_messages_over_int_max_elements():
     # 2 GiB per rank (int8), about 4.5 GiB peak each: run once, on 2 ranks.
     run_suite(2, str(HERE / "mpi" / "test_large.py"), "slow")
