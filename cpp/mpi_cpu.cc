@@ -434,12 +434,11 @@ int reserved_tag() {
 // call to call. MPI's own in-place alltoall allocates a block-sized temporary on
 // every call (MPICH and Open MPI both), whose fresh pages cost more than the
 // exchange itself for large blocks; and MPICH pairs the ranks one pair at a time.
-int pairwise_alltoall(const char* in, char* out, int64_t block_bytes, MPI_Comm comm) {
-  int rank, size;
+int pairwise_alltoall(const char* in, char* out, int64_t block_bytes, MPI_Comm comm, int size) {
+  int rank;
   MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &size);
   const bool in_place = in == out;
-  if (!in_place) memory().copy(out + rank * block_bytes, in + rank * block_bytes, block_bytes);
+  if (!in_place) std::memcpy(out + rank * block_bytes, in + rank * block_bytes, block_bytes);
   thread_local std::vector<char> scratch;
   if (in_place) scratch.resize(std::max<size_t>(scratch.size(), kPairwisePieceBytes));
   const int tag = reserved_tag();
@@ -475,7 +474,8 @@ ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, 
   MPI_Datatype type;
   if (auto err = datatype_of(x, "alltoall", &type); err.failure()) return err;
   if (pairwise) {
-    JAXCOMM_CHECK_MPI(pairwise_alltoall(bytes(x), bytes(out), block_bytes, comm), "alltoall", comm);
+    JAXCOMM_CHECK_MPI(pairwise_alltoall(bytes(x), bytes(out), block_bytes, comm, size), "alltoall",
+                      comm);
     return ffi::Error::Success();
   }
   Block block(x.element_count() / size, type);

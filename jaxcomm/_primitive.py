@@ -13,6 +13,7 @@ even when its cotangent is a symbolic zero, and it always communicates.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -58,17 +59,13 @@ class CommPrimitive(Primitive):
     def __init__(self, name: str, abstract_eval: AbstractEval, attrs: Sequence[str]):
         super().__init__(f"jaxcomm_{name}")
         self._eager = _eager.EagerOp(name, abstract_eval, attrs)
-        self.def_impl(self._impl)
+        # Reached only through Primitive.bind, that is when the direct path cannot run.
+        self.def_impl(partial(apply_primitive, self))
 
     def bind(self, *args: Any, **params: Any) -> Sequence[Any]:
         if _eager.can_run(args):
             return self._eager(args, **params)
         return super().bind(*args, **params)
-
-    def _impl(self, *args: Any, **params: Any) -> Sequence[Any]:
-        if _eager.can_run(args):  # the eval rule, for callers that reach it directly
-            return self._eager(args, **params)
-        return apply_primitive(self, *args, **params)
 
 
 def comm_primitive(
