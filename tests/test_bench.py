@@ -34,13 +34,9 @@ def test_latency_suite_checks_and_records_every_backend(tmp_path):
 
 
 def test_mlp_workload(tmp_path):
-    result = run(
-        2,
-        [str(BENCH / "mlp.py"), "--steps", "2", "--reps", "1", "--out", str(tmp_path)],
-        timeout=600,
-    )
+    args = [str(BENCH / "mlp.py"), "--steps", "2", "--steps-per-call", "2", "--reps", "1"]
+    result = run(2, [*args, "--out", str(tmp_path)], timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    names = {
-        json.loads(line)["backend"] for line in (tmp_path / "mlp.jsonl").read_text().splitlines()
-    }
-    assert {"no-communication", "jaxcomm"} <= names
+    records = [json.loads(line) for line in (tmp_path / "mlp.jsonl").read_text().splitlines()]
+    timed = {(r["backend"], r["steps_per_call"]) for r in records if r["median_ms"] > 0}
+    assert {(name, k) for name in ("no-communication", "jaxcomm") for k in (1, 2)} <= timed
