@@ -69,12 +69,15 @@ def test_alltoall(comm, dtype, mode):
     assert_values(out, np.stack([block(s, comm.rank) for s in range(comm.size)]))
 
 
-@pytest.mark.parametrize("mode", ["eager", "jit", "donated"])
-def test_alltoall_large_blocks(comm, mode):
-    # Blocks from 64 KiB on take jaxcomm's pairwise exchange, in 1 MiB messages:
-    # this block is two of them, the second partial.
-    count = (1 << 17) + 3  # float64
-
+# Blocks from 64 KiB on take jaxcomm's pairwise exchange, in 1 MiB messages, and
+# in place from 8 MiB on through streaming stores: float64 blocks of two messages
+# and of nine, the last one partial each time.
+@pytest.mark.parametrize(
+    "mode, count",
+    [("eager", (1 << 17) + 3), ("jit", (1 << 17) + 3), ("donated", (1 << 17) + 3),
+     ("donated", (1 << 20) + 3)],
+)  # fmt: skip
+def test_alltoall_large_blocks(comm, mode, count):
     def block(src, dst):
         return np.arange(count, dtype=np.float64) + 1000.0 * src + dst
 
