@@ -13,10 +13,14 @@
 #endif
 
 #include <algorithm>
+#include <bit>
+#include <chrono>
 #include <cmath>
 #include <complex>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -421,15 +425,6 @@ constexpr int64_t kPairwiseBlockBytes = int64_t{64} << 10;
 // Its messages: large enough that their latency does not show, small enough
 // that the in-place scratch stays in cache.
 constexpr int64_t kPairwisePieceBytes = int64_t{1} << 20;
-// Blocks from this size on are written into the scratch with streaming stores.
-// Measured on 2 ranks of a 2-vCPU VM (docs/performance.md, "Alltoall of large
-// blocks"): when the two cores share no cache, rewriting lines the other process
-// has just read costs several times a plain copy, and streaming avoids that
-// (16 MiB blocks: 0.6-0.9x C instead of 1.9-2.7x); when they share one,
-// streaming costs 1.2x at 16 MiB but 1.4-1.5x at 1-4 MiB, where the data would
-// have stayed in cache.
-constexpr int64_t kStreamingBlockBytes = int64_t{8} << 20;
-
 int reserved_tag() {
   static const int tag = [] {
     int* ub = nullptr;
@@ -460,6 +455,70 @@ void streaming_copy(char* to, const char* from, size_t n) {
 #endif
 }
 
+// How the in-place exchange copies each outgoing piece into the scratch. Which
+// copy is faster depends on where the partner runs, and on a VM that can change
+// within minutes (docs/performance.md, "Alltoall of large blocks"). When the
+// two cores share a cache, a plain copy leaves the piece in the cache that the
+// partner reads it from. When they do not, rewriting lines the partner has just
+// read costs several times a plain copy, and streaming stores, which write
+// around the cache, avoid that. So each process times its exchanges and keeps
+// the faster copy for each block size, trying the other now and then. The
+// choice is local: the messages are the same either way.
+enum class ScratchCopy { kPlain, kStreaming };
+
+class ScratchCopyChooser {
+ public:
+  ScratchCopy choose(int64_t block_bytes) {
+    if (const char* forced = std::getenv("JAXCOMM_ALLTOALL_COPY")) {
+      if (std::strcmp(forced, "plain") == 0) return ScratchCopy::kPlain;
+      if (std::strcmp(forced, "streaming") == 0) return ScratchCopy::kStreaming;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    SizeClass& size_class = classes_[class_of(block_bytes)];
+    const uint64_t call = size_class.calls++;
+    for (ScratchCopy copy : {ScratchCopy::kPlain, ScratchCopy::kStreaming})
+      if (size_class.seconds[index(copy)] == 0) return copy;
+    const bool streaming_faster = size_class.seconds[1] < size_class.seconds[0];
+    const bool explore = call % kExploreEvery == 0;
+    return streaming_faster != explore ? ScratchCopy::kStreaming : ScratchCopy::kPlain;
+  }
+
+  void record(int64_t block_bytes, ScratchCopy copy, double seconds) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    SizeClass& size_class = classes_[class_of(block_bytes)];
+    if (size_class.calls <= 1) return;  // the first call also touches the scratch's new pages
+    double& estimate = size_class.seconds[index(copy)];
+    // Quick to follow a faster time; slow, and clamped, to follow a slower one,
+    // which may be a partner arriving late rather than the copy.
+    if (estimate == 0 || seconds < estimate)
+      estimate = estimate == 0 ? seconds : (estimate + seconds) / 2;
+    else
+      estimate += (std::min(seconds, 2 * estimate) - estimate) / 4;
+  }
+
+ private:
+  // Rare enough to cost little when the other copy is much slower (2.7x in the
+  // worst case measured), often enough to follow a change within a few hundred
+  // calls.
+  static constexpr uint64_t kExploreEvery = 32;
+  struct SizeClass {
+    double seconds[2] = {0, 0};
+    uint64_t calls = 0;
+  };
+  static int class_of(int64_t block_bytes) {  // by powers of 4
+    return std::bit_width(static_cast<uint64_t>(block_bytes)) / 2;
+  }
+  static int index(ScratchCopy copy) { return copy == ScratchCopy::kStreaming ? 1 : 0; }
+
+  std::mutex mutex_;
+  SizeClass classes_[32];
+};
+
+ScratchCopyChooser& scratch_copy_chooser() {
+  static ScratchCopyChooser chooser;
+  return chooser;
+}
+
 // Alltoall of host memory as p rounds of pairwise exchanges: round k pairs rank r
 // with (k - r) mod p, so every pair meets once and a round's pairs run at once.
 // In place, each piece of the block for a partner is first copied into a small
@@ -475,7 +534,9 @@ int pairwise_alltoall(const char* in, char* out, int64_t block_bytes, MPI_Comm c
   if (!in_place) std::memcpy(out + rank * block_bytes, in + rank * block_bytes, block_bytes);
   thread_local std::vector<char> scratch;
   if (in_place) scratch.resize(std::max<size_t>(scratch.size(), kPairwisePieceBytes));
-  const bool streaming = block_bytes >= kStreamingBlockBytes;
+  const ScratchCopy copy =
+      in_place ? scratch_copy_chooser().choose(block_bytes) : ScratchCopy::kPlain;
+  const auto started = std::chrono::steady_clock::now();
   const int tag = reserved_tag();
   for (int round = 0; round < size; ++round) {
     const int partner = ((round - rank) % size + size) % size;
@@ -485,7 +546,7 @@ int pairwise_alltoall(const char* in, char* out, int64_t block_bytes, MPI_Comm c
       const int n = static_cast<int>(std::min(kPairwisePieceBytes, start + block_bytes - offset));
       const char* from = in + offset;
       if (in_place) {
-        if (streaming)
+        if (copy == ScratchCopy::kStreaming)
           streaming_copy(scratch.data(), from, n);
         else
           std::memcpy(scratch.data(), from, n);
@@ -496,6 +557,10 @@ int pairwise_alltoall(const char* in, char* out, int64_t block_bytes, MPI_Comm c
           err != MPI_SUCCESS)
         return err;
     }
+  }
+  if (in_place && size > 1) {
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
+    scratch_copy_chooser().record(block_bytes, copy, took.count());
   }
   return MPI_SUCCESS;
 }
