@@ -72,6 +72,10 @@ void watchdog_loop(double timeout) {
     std::fputs(message.c_str(), stderr);
     std::fflush(stderr);
     lock.unlock();
+    // The message is in the pipe to mpiexec, not yet on the user's terminal;
+    // MPI_Abort tears the job down at once, and a launcher busy elsewhere can
+    // lose what it had not forwarded.
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
     MPI_Abort(MPI_COMM_WORLD, 1);
     std::_Exit(1);  // in case MPI_Abort returns
   }
