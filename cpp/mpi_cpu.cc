@@ -425,6 +425,7 @@ constexpr int64_t kPairwiseBlockBytes = int64_t{64} << 10;
 // Its messages: large enough that their latency does not show, small enough
 // that the in-place scratch stays in cache.
 constexpr int64_t kPairwisePieceBytes = int64_t{1} << 20;
+
 int reserved_tag() {
   static const int tag = [] {
     int* ub = nullptr;
@@ -478,7 +479,8 @@ class ScratchCopyChooser {
     const uint64_t call = size_class.calls++;
     for (ScratchCopy copy : {ScratchCopy::kPlain, ScratchCopy::kStreaming})
       if (size_class.seconds[index(copy)] == 0) return copy;
-    const bool streaming_faster = size_class.seconds[1] < size_class.seconds[0];
+    const bool streaming_faster = size_class.seconds[index(ScratchCopy::kStreaming)] <
+                                  size_class.seconds[index(ScratchCopy::kPlain)];
     const bool explore = call % kExploreEvery == 0;
     return streaming_faster != explore ? ScratchCopy::kStreaming : ScratchCopy::kPlain;
   }
@@ -534,8 +536,8 @@ int pairwise_alltoall(const char* in, char* out, int64_t block_bytes, MPI_Comm c
   if (!in_place) std::memcpy(out + rank * block_bytes, in + rank * block_bytes, block_bytes);
   thread_local std::vector<char> scratch;
   if (in_place) scratch.resize(std::max<size_t>(scratch.size(), kPairwisePieceBytes));
-  const ScratchCopy copy =
-      in_place ? scratch_copy_chooser().choose(block_bytes) : ScratchCopy::kPlain;
+  const bool timed = in_place && size > 1;  // only then is there a copy to choose
+  const ScratchCopy copy = timed ? scratch_copy_chooser().choose(block_bytes) : ScratchCopy::kPlain;
   const auto started = std::chrono::steady_clock::now();
   const int tag = reserved_tag();
   for (int round = 0; round < size; ++round) {
@@ -558,7 +560,7 @@ int pairwise_alltoall(const char* in, char* out, int64_t block_bytes, MPI_Comm c
         return err;
     }
   }
-  if (in_place && size > 1) {
+  if (timed) {
     const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
     scratch_copy_chooser().record(block_bytes, copy, took.count());
   }

@@ -69,9 +69,8 @@ def test_alltoall(comm, dtype, mode):
     assert_values(out, np.stack([block(s, comm.rank) for s in range(comm.size)]))
 
 
-# Blocks from 64 KiB on take jaxcomm's pairwise exchange, in 1 MiB messages, and
-# in place from 8 MiB on through streaming stores: float64 blocks of two messages
-# and of nine, the last one partial each time.
+# Blocks from 64 KiB on take jaxcomm's pairwise exchange, in 1 MiB messages; the
+# tests below use float64 blocks of two messages, the second partial.
 def alltoall_block(count, src, dst):
     return np.arange(count, dtype=np.float64) + 1000.0 * src + dst
 
