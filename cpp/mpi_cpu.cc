@@ -92,6 +92,12 @@ char* bytes(Result& b) { return static_cast<char*>(b->untyped_data()); }
 
 size_t element_size(const Buffer& b) { return ffi::ByteWidth(b.element_type()); }
 
+int comm_size(MPI_Comm comm) {
+  int size;
+  MPI_Comm_size(comm, &size);
+  return size;
+}
+
 void copy_if_distinct(Result& out, const Buffer& in) {
   if (bytes(out) != bytes(in)) memory().copy(bytes(out), bytes(in), in.size_bytes());
 }
@@ -234,21 +240,323 @@ void normalize_logical(Result& out, int32_t op) {
 }  // namespace
 
 // ---------------------------------------------------------------------------
+// Large exchanges in host memory. Allreduce, scan, allgather and alltoall of
+// large host buffers run as jaxcomm's own point-to-point messages rather than
+// MPI's collectives, so that jaxcomm decides where each outgoing piece is read
+// from (see docs/performance.md, "Large exchanges in host memory").
+
+namespace {
+
+// Messages from this size on (a block for alltoall and allgather, the whole
+// array for allreduce and scan) take jaxcomm's own exchanges.
+constexpr int64_t kExchangeBytes = int64_t{64} << 10;
+// Their pieces: large enough that their latency does not show, small enough
+// that a scratch stays in cache.
+constexpr int64_t kPieceBytes = int64_t{1} << 20;
+
+int reserved_tag() {
+  static const int tag = [] {
+    int* ub = nullptr;
+    int found = 0;
+    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &found);
+    return found ? *ub : 32767;
+  }();
+  return tag;
+}
+
+// memcpy with non-temporal stores where the target has them: the data goes to
+// memory without displacing the cache or claiming the lines from the other
+// core that last read them.
+void streaming_copy(char* to, const char* from, size_t n) {
+#if defined(__SSE2__)
+  const size_t head = std::min(n, (16 - reinterpret_cast<uintptr_t>(to) % 16) % 16);
+  std::memcpy(to, from, head);
+  size_t i = head;
+  for (; i + 64 <= n; i += 64) {
+    for (size_t j = i; j < i + 64; j += 16) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + j));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(to + j), v);
+    }
+  }
+  std::memcpy(to + i, from + i, n - i);
+  _mm_sfence();
+#else
+  std::memcpy(to, from, n);
+#endif
+}
+
+// How an exchange writes the data that a partner then reads: with plain stores
+// (or not at all, sending straight from the operand), or with streaming stores
+// into a scratch. Which is faster depends on where the partner runs, and on a
+// VM that can change within minutes. When the two cores share a cache, a plain
+// copy, or none, leaves the data in the cache that the partner reads it from.
+// When they do not, the partner's reads of lines this core has just written,
+// and this core's later writes to lines the partner has read, cost several
+// times a copy; streaming stores, which write around the cache, avoid both. So
+// each process times its exchanges and keeps the faster copy for each exchange
+// and size, trying the other now and then. The choice is local: the messages
+// are the same either way.
+enum class Copy { kPlain, kStreaming };
+enum class Exchange { kAlltoall, kAllgather, kAllreduce, kScan };
+constexpr int kExchanges = 4;
+
+class CopyChooser {
+ public:
+  Copy choose(Exchange exchange, int64_t bytes) {
+    if (const char* forced = std::getenv("JAXCOMM_COPY")) {
+      if (std::strcmp(forced, "plain") == 0) return Copy::kPlain;
+      if (std::strcmp(forced, "streaming") == 0) return Copy::kStreaming;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    SizeClass& size_class = class_of(exchange, bytes);
+    const uint64_t call = size_class.calls++;
+    for (Copy copy : {Copy::kPlain, Copy::kStreaming})
+      if (size_class.seconds[index(copy)] == 0) return copy;
+    const bool streaming_faster =
+        size_class.seconds[index(Copy::kStreaming)] < size_class.seconds[index(Copy::kPlain)];
+    const bool explore = call % kExploreEvery == 0;
+    return streaming_faster != explore ? Copy::kStreaming : Copy::kPlain;
+  }
+
+  void record(Exchange exchange, int64_t bytes, Copy copy, double seconds) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    SizeClass& size_class = class_of(exchange, bytes);
+    if (size_class.calls <= 1) return;  // the first call also touches the scratch's new pages
+    double& estimate = size_class.seconds[index(copy)];
+    // Quick to follow a faster time; slow, and clamped, to follow a slower one,
+    // which may be a partner arriving late rather than the copy.
+    if (estimate == 0 || seconds < estimate)
+      estimate = estimate == 0 ? seconds : (estimate + seconds) / 2;
+    else
+      estimate += (std::min(seconds, 2 * estimate) - estimate) / 4;
+  }
+
+ private:
+  // Rare enough to cost little when the other copy is much slower (2.7x in the
+  // worst case measured), often enough to follow a change within a few hundred
+  // calls.
+  static constexpr uint64_t kExploreEvery = 32;
+  struct SizeClass {
+    double seconds[2] = {0, 0};
+    uint64_t calls = 0;
+  };
+  SizeClass& class_of(Exchange exchange, int64_t bytes) {  // sizes by powers of 4
+    return classes_[static_cast<int>(exchange)][std::bit_width(static_cast<uint64_t>(bytes)) / 2];
+  }
+  static int index(Copy copy) { return copy == Copy::kStreaming ? 1 : 0; }
+
+  std::mutex mutex_;
+  SizeClass classes_[kExchanges][33];
+};
+
+// The copy chosen for one exchange, whose time it records when it goes.
+class ChosenCopy {
+ public:
+  ChosenCopy(Exchange exchange, int64_t bytes)
+      : exchange_(exchange), bytes_(bytes), copy_(chooser().choose(exchange, bytes)) {}
+  ~ChosenCopy() {
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started_;
+    chooser().record(exchange_, bytes_, copy_, took.count());
+  }
+  // Copies n bytes with the chosen stores.
+  void copy(char* to, const char* from, size_t n) const {
+    if (copy_ == Copy::kStreaming)
+      streaming_copy(to, from, n);
+    else
+      std::memcpy(to, from, n);
+  }
+
+  // Where to send n bytes at `from` from: there, or a streaming copy in `scratch`.
+  const char* outgoing(const char* from, size_t n, std::vector<char>& scratch) const {
+    if (copy_ == Copy::kPlain) return from;
+    scratch.resize(std::max(scratch.size(), static_cast<size_t>(kPieceBytes)));
+    streaming_copy(scratch.data(), from, n);
+    return scratch.data();
+  }
+
+ private:
+  static CopyChooser& chooser() {
+    static CopyChooser instance;
+    return instance;
+  }
+  Exchange exchange_;
+  int64_t bytes_;
+  Copy copy_;
+  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+};
+
+// Whether an op of `bytes` (as kExchangeBytes counts them) takes jaxcomm's own
+// exchange.
+// Only in host memory: CUDA-aware calls hand device pointers to MPI's collectives.
+// Every rank has to choose alike: checking mode compares the choice, which the
+// call's parameters show only where it is taken.
+bool own_exchange(int64_t bytes, MPI_Comm comm) {
+  return comm_size(comm) > 1 && bytes >= kExchangeBytes && memory().on_host();
+}
+
+// This thread's scratch for one incoming piece, kept from call to call.
+char* incoming_scratch() {
+  thread_local std::vector<char> scratch(kPieceBytes);
+  return scratch.data();
+}
+
+// Calls fn(offset, n) for consecutive pieces of at most kPieceBytes of `bytes`
+// bytes of `width`-byte elements, each piece whole elements.
+template <typename Fn>
+int for_each_exchange_piece(int64_t bytes, size_t width, Fn&& fn) {
+  const int64_t step = std::max<int64_t>(1, kPieceBytes / static_cast<int64_t>(width)) * width;
+  for (int64_t offset = 0; offset < bytes; offset += step)
+    if (int code = fn(offset, static_cast<int>(std::min(step, bytes - offset)));
+        code != MPI_SUCCESS)
+      return code;
+  return MPI_SUCCESS;
+}
+
+// Alltoall and allgather as p rounds of pairwise exchanges: round k pairs rank r
+// with (k - r) mod p, so every pair meets once and a round's pairs run at once.
+// `block(buffer, partner)` is where in `buffer` the block for or from `partner`
+// lies. In place (alltoall only), each piece for a partner is first copied into
+// a small scratch that is reused from call to call, sent from there, and the
+// partner's piece received straight into its place. MPI's own in-place alltoall
+// allocates a block-sized temporary on every call (MPICH and Open MPI both), whose
+// fresh pages cost more than the exchange itself for large blocks; and MPICH pairs
+// the ranks one pair at a time. MPI's allgather sends each rank's block from the
+// output, just after copying it there; sending it from the input is faster
+// whether the cores share a cache or not (at 64 KiB-1 MiB blocks, 1.2-1.8x when
+// they do, 4-5x when they do not), and the copy to the output is the chosen one.
+template <typename BlockOf>
+int pairwise_exchange(Exchange exchange, const char* in, char* out, int64_t block_bytes,
+                      MPI_Comm comm, BlockOf&& block) {
+  const int rank = comm_rank(comm), size = comm_size(comm);
+  const bool in_place = in == out;
+  const ChosenCopy chosen(exchange, block_bytes);
+  if (!in_place) chosen.copy(out + rank * block_bytes, block(in, rank), block_bytes);
+  thread_local std::vector<char> scratch;
+  if (in_place) scratch.resize(std::max<size_t>(scratch.size(), kPieceBytes));
+  const int tag = reserved_tag();
+  for (int round = 0; round < size; ++round) {
+    const int partner = ((round - rank) % size + size) % size;
+    if (partner == rank) continue;
+    const char* send = block(in, partner);
+    char* recv = out + partner * block_bytes;
+    const int code = for_each_exchange_piece(block_bytes, 1, [&](int64_t offset, int n) {
+      const char* from = send + offset;
+      if (in_place) {
+        chosen.copy(scratch.data(), from, n);
+        from = scratch.data();
+      }
+      return MPI_Sendrecv(from, n, MPI_BYTE, partner, tag, recv + offset, n, MPI_BYTE, partner, tag,
+                          comm, MPI_STATUS_IGNORE);
+    });
+    if (code != MPI_SUCCESS) return code;
+  }
+  return MPI_SUCCESS;
+}
+
+// Allreduce in place on `count` elements as a ring: p - 1 steps of reduce-scatter
+// leave each rank with one fully reduced p-th of the array, and p - 1 steps of
+// allgather pass those around. Every chunk is reduced once, on one rank, so all
+// ranks get the same bits. The ops are commutative (all of MPI's predefined ones
+// and jaxcomm's half-precision ones), so the order MPI_Reduce_local applies does
+// not matter beyond rounding.
+int ring_allreduce(char* data, int64_t count, size_t width, MPI_Datatype type, MPI_Op op,
+                   MPI_Comm comm) {
+  const int rank = comm_rank(comm), size = comm_size(comm);
+  const ChosenCopy chosen(Exchange::kAllreduce, count * static_cast<int64_t>(width));
+  char* incoming = incoming_scratch();
+  thread_local std::vector<char> outgoing;
+  const int right = (rank + 1) % size, left = (rank + size - 1) % size, tag = reserved_tag();
+  auto chunk_start = [&](int c) { return count * c / size * static_cast<int64_t>(width); };
+  auto chunk_bytes = [&](int c) { return chunk_start(c + 1) - chunk_start(c); };
+  auto chunk_at = [&](int k) { return ((k % size) + size) % size; };
+  // Sends chunk `send` to the right while receiving chunk `recv` from the left,
+  // piece by piece (the neighbours split the same chunk alike), and calls
+  // arrived(piece, offset in chunk, n) with each received piece.
+  auto step = [&](int send, int recv, char* into, auto&& arrived) {
+    const int64_t longest = std::max(chunk_bytes(send), chunk_bytes(recv));
+    return for_each_exchange_piece(longest, width, [&](int64_t offset, int n) {
+      const int sent = static_cast<int>(std::clamp<int64_t>(chunk_bytes(send) - offset, 0, n));
+      const int got = static_cast<int>(std::clamp<int64_t>(chunk_bytes(recv) - offset, 0, n));
+      const char* from = chosen.outgoing(data + chunk_start(send) + offset, sent, outgoing);
+      char* to = into ? into : data + chunk_start(recv) + offset;
+      const int code = MPI_Sendrecv(from, sent, MPI_BYTE, right, tag, to, got, MPI_BYTE, left, tag,
+                                    comm, MPI_STATUS_IGNORE);
+      if (code != MPI_SUCCESS) return code;
+      return arrived(to, offset, got);
+    });
+  };
+  for (int k = 0; k < size - 1; ++k) {
+    const int recv = chunk_at(rank - k - 1);
+    const int code =
+        step(chunk_at(rank - k), recv, incoming, [&](const char* piece, int64_t offset, int n) {
+          return MPI_Reduce_local(piece, data + chunk_start(recv) + offset,
+                                  n / static_cast<int>(width), type, op);
+        });
+    if (code != MPI_SUCCESS) return code;
+  }
+  for (int k = 0; k < size - 1; ++k) {
+    const int code = step(chunk_at(rank + 1 - k), chunk_at(rank - k), nullptr,
+                          [](const char*, int64_t, int) { return MPI_SUCCESS; });
+    if (code != MPI_SUCCESS) return code;
+  }
+  return MPI_SUCCESS;
+}
+
+// Inclusive scan of `count` elements as a pipeline along the ranks: each piece
+// of the prefix arrives from the left, is combined with this rank's piece, and
+// goes on to the right while the next piece arrives.
+int pipelined_scan(const char* in, char* out, int64_t count, size_t width, MPI_Datatype type,
+                   MPI_Op op, MPI_Comm comm) {
+  const int rank = comm_rank(comm), size = comm_size(comm);
+  const int64_t bytes = count * static_cast<int64_t>(width);
+  const ChosenCopy chosen(Exchange::kScan, bytes);
+  char* incoming = incoming_scratch();
+  thread_local std::vector<char> outgoing;
+  const int tag = reserved_tag();
+  return for_each_exchange_piece(bytes, width, [&](int64_t offset, int n) {
+    char* piece = out + offset;
+    if (in != out) std::memcpy(piece, in + offset, n);
+    if (rank > 0) {
+      if (int code = MPI_Recv(incoming, n, MPI_BYTE, rank - 1, tag, comm, MPI_STATUS_IGNORE);
+          code != MPI_SUCCESS)
+        return code;
+      if (int code = MPI_Reduce_local(incoming, piece, static_cast<int>(n / width), type, op);
+          code != MPI_SUCCESS)
+        return code;
+    }
+    if (rank == size - 1) return MPI_SUCCESS;
+    return MPI_Send(chosen.outgoing(piece, n, outgoing), n, MPI_BYTE, rank + 1, tag, comm);
+  });
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
 // Reductions
 
 ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
                      int32_t op) {
   Call call(comm_handle, check, "allreduce", x.element_type(), x.dimensions());
-  if (auto err = call.reduce_op(op).agree(); err.failure()) return err;
   MPI_Comm comm = call.comm();
+  const bool ring = own_exchange(static_cast<int64_t>(x.size_bytes()), comm);
+  call.reduce_op(op);
+  if (ring) call.param("ring", 1);
+  if (auto err = call.agree(); err.failure()) return err;
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = reduction_of(x, op, "allreduce", &type, &mpi); err.failure()) return err;
-  JAXCOMM_CHECK_MPI(reduce_pieces(x.untyped_data(), out->untyped_data(), x.element_count(), type,
-                                  [&](const void* i, void* o, int n) {
-                                    return MPI_Allreduce(i, o, n, type, mpi, comm);
-                                  }),
-                    "allreduce", comm);
+  if (ring) {
+    copy_if_distinct(out, x);
+    JAXCOMM_CHECK_MPI(
+        ring_allreduce(bytes(out), x.element_count(), element_size(x), type, mpi, comm),
+        "allreduce", comm);
+  } else {
+    JAXCOMM_CHECK_MPI(reduce_pieces(x.untyped_data(), out->untyped_data(), x.element_count(), type,
+                                    [&](const void* i, void* o, int n) {
+                                      return MPI_Allreduce(i, o, n, type, mpi, comm);
+                                    }),
+                      "allreduce", comm);
+  }
   normalize_logical(out, op);
   return ffi::Error::Success();
 }
@@ -283,17 +591,26 @@ template <bool kExclusive>
 ffi::Error scan(Buffer x, Result out, int64_t comm_handle, bool check, int32_t op) {
   constexpr std::string_view name = kExclusive ? "exscan" : "scan";
   Call call(comm_handle, check, name, x.element_type(), x.dimensions());
-  if (auto err = call.reduce_op(op).agree(); err.failure()) return err;
   MPI_Comm comm = call.comm();
+  const bool pipelined = !kExclusive && own_exchange(static_cast<int64_t>(x.size_bytes()), comm);
+  call.reduce_op(op);
+  if (pipelined) call.param("pipelined", 1);
+  if (auto err = call.agree(); err.failure()) return err;
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = reduction_of(x, op, name, &type, &mpi); err.failure()) return err;
-  JAXCOMM_CHECK_MPI(reduce_pieces(x.untyped_data(), out->untyped_data(), x.element_count(), type,
-                                  [&](const void* i, void* o, int n) {
-                                    return kExclusive ? MPI_Exscan(i, o, n, type, mpi, comm)
-                                                      : MPI_Scan(i, o, n, type, mpi, comm);
-                                  }),
-                    name, comm);
+  if (pipelined) {
+    JAXCOMM_CHECK_MPI(
+        pipelined_scan(bytes(x), bytes(out), x.element_count(), element_size(x), type, mpi, comm),
+        name, comm);
+  } else {
+    JAXCOMM_CHECK_MPI(reduce_pieces(x.untyped_data(), out->untyped_data(), x.element_count(), type,
+                                    [&](const void* i, void* o, int n) {
+                                      return kExclusive ? MPI_Exscan(i, o, n, type, mpi, comm)
+                                                        : MPI_Scan(i, o, n, type, mpi, comm);
+                                    }),
+                      name, comm);
+  }
   // MPI leaves exscan's rank-0 result undefined; ours is the identity of op.
   if (kExclusive && comm_rank(comm) == 0) {
     fill_identity(out, static_cast<ReduceOp>(op));
@@ -392,10 +709,19 @@ ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bo
 
 ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check) {
   Call call(comm_handle, check, "allgather", x.element_type(), x.dimensions());
-  if (auto err = call.agree(); err.failure()) return err;
   MPI_Comm comm = call.comm();
+  const int64_t block_bytes = static_cast<int64_t>(x.size_bytes());
+  const bool pairwise = own_exchange(block_bytes, comm);
+  if (pairwise) call.param("pairwise", 1);
+  if (auto err = call.agree(); err.failure()) return err;
   MPI_Datatype type;
   if (auto err = datatype_of(x, "allgather", &type); err.failure()) return err;
+  if (pairwise) {
+    JAXCOMM_CHECK_MPI(pairwise_exchange(Exchange::kAllgather, bytes(x), bytes(out), block_bytes,
+                                        comm, [](const char* in, int) { return in; }),
+                      "allgather", comm);
+    return ffi::Error::Success();
+  }
   Block block(x.element_count(), type);
   JAXCOMM_CHECK_MPI(MPI_Allgather(x.untyped_data(), block.count(), block.type(),
                                   out->untyped_data(), block.count(), block.type(), comm),
@@ -418,172 +744,22 @@ ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, b
   return ffi::Error::Success();
 }
 
-namespace {
-
-// Blocks from this size on go through pairwise_alltoall (see there).
-constexpr int64_t kPairwiseBlockBytes = int64_t{64} << 10;
-// Its messages: large enough that their latency does not show, small enough
-// that the in-place scratch stays in cache.
-constexpr int64_t kPairwisePieceBytes = int64_t{1} << 20;
-
-int reserved_tag() {
-  static const int tag = [] {
-    int* ub = nullptr;
-    int found = 0;
-    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &found);
-    return found ? *ub : 32767;
-  }();
-  return tag;
-}
-
-// memcpy into a 16-byte aligned `to` with non-temporal stores where the target
-// has them: the data goes to memory without displacing the cache or claiming
-// the lines from the other core that last read them.
-void streaming_copy(char* to, const char* from, size_t n) {
-#if defined(__SSE2__)
-  static_assert(__STDCPP_DEFAULT_NEW_ALIGNMENT__ >= 16, "the scratch must suit _mm_stream_si128");
-  size_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    for (size_t j = i; j < i + 64; j += 16) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + j));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(to + j), v);
-    }
-  }
-  std::memcpy(to + i, from + i, n - i);
-  _mm_sfence();
-#else
-  std::memcpy(to, from, n);
-#endif
-}
-
-// How the in-place exchange copies each outgoing piece into the scratch. Which
-// copy is faster depends on where the partner runs, and on a VM that can change
-// within minutes (docs/performance.md, "Alltoall of large blocks"). When the
-// two cores share a cache, a plain copy leaves the piece in the cache that the
-// partner reads it from. When they do not, rewriting lines the partner has just
-// read costs several times a plain copy, and streaming stores, which write
-// around the cache, avoid that. So each process times its exchanges and keeps
-// the faster copy for each block size, trying the other now and then. The
-// choice is local: the messages are the same either way.
-enum class ScratchCopy { kPlain, kStreaming };
-
-class ScratchCopyChooser {
- public:
-  ScratchCopy choose(int64_t block_bytes) {
-    if (const char* forced = std::getenv("JAXCOMM_ALLTOALL_COPY")) {
-      if (std::strcmp(forced, "plain") == 0) return ScratchCopy::kPlain;
-      if (std::strcmp(forced, "streaming") == 0) return ScratchCopy::kStreaming;
-    }
-    std::lock_guard<std::mutex> lock(mutex_);
-    SizeClass& size_class = classes_[class_of(block_bytes)];
-    const uint64_t call = size_class.calls++;
-    for (ScratchCopy copy : {ScratchCopy::kPlain, ScratchCopy::kStreaming})
-      if (size_class.seconds[index(copy)] == 0) return copy;
-    const bool streaming_faster = size_class.seconds[index(ScratchCopy::kStreaming)] <
-                                  size_class.seconds[index(ScratchCopy::kPlain)];
-    const bool explore = call % kExploreEvery == 0;
-    return streaming_faster != explore ? ScratchCopy::kStreaming : ScratchCopy::kPlain;
-  }
-
-  void record(int64_t block_bytes, ScratchCopy copy, double seconds) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    SizeClass& size_class = classes_[class_of(block_bytes)];
-    if (size_class.calls <= 1) return;  // the first call also touches the scratch's new pages
-    double& estimate = size_class.seconds[index(copy)];
-    // Quick to follow a faster time; slow, and clamped, to follow a slower one,
-    // which may be a partner arriving late rather than the copy.
-    if (estimate == 0 || seconds < estimate)
-      estimate = estimate == 0 ? seconds : (estimate + seconds) / 2;
-    else
-      estimate += (std::min(seconds, 2 * estimate) - estimate) / 4;
-  }
-
- private:
-  // Rare enough to cost little when the other copy is much slower (2.7x in the
-  // worst case measured), often enough to follow a change within a few hundred
-  // calls.
-  static constexpr uint64_t kExploreEvery = 32;
-  struct SizeClass {
-    double seconds[2] = {0, 0};
-    uint64_t calls = 0;
-  };
-  static int class_of(int64_t block_bytes) {  // by powers of 4
-    return std::bit_width(static_cast<uint64_t>(block_bytes)) / 2;
-  }
-  static int index(ScratchCopy copy) { return copy == ScratchCopy::kStreaming ? 1 : 0; }
-
-  std::mutex mutex_;
-  SizeClass classes_[32];
-};
-
-ScratchCopyChooser& scratch_copy_chooser() {
-  static ScratchCopyChooser chooser;
-  return chooser;
-}
-
-// Alltoall of host memory as p rounds of pairwise exchanges: round k pairs rank r
-// with (k - r) mod p, so every pair meets once and a round's pairs run at once.
-// In place, each piece of the block for a partner is first copied into a small
-// scratch that is reused from call to call, sent from there, and the partner's
-// piece received straight into its place. MPI's own in-place alltoall allocates a
-// block-sized temporary on every call (MPICH and Open MPI both), whose fresh
-// pages cost more than the exchange itself for large blocks; and MPICH pairs the
-// ranks one pair at a time.
-int pairwise_alltoall(const char* in, char* out, int64_t block_bytes, MPI_Comm comm, int size) {
-  int rank;
-  MPI_Comm_rank(comm, &rank);
-  const bool in_place = in == out;
-  if (!in_place) std::memcpy(out + rank * block_bytes, in + rank * block_bytes, block_bytes);
-  thread_local std::vector<char> scratch;
-  if (in_place) scratch.resize(std::max<size_t>(scratch.size(), kPairwisePieceBytes));
-  const bool timed = in_place && size > 1;  // only then is there a copy to choose
-  const ScratchCopy copy = timed ? scratch_copy_chooser().choose(block_bytes) : ScratchCopy::kPlain;
-  const auto started = std::chrono::steady_clock::now();
-  const int tag = reserved_tag();
-  for (int round = 0; round < size; ++round) {
-    const int partner = ((round - rank) % size + size) % size;
-    if (partner == rank) continue;
-    const int64_t start = partner * block_bytes;
-    for (int64_t offset = start; offset < start + block_bytes; offset += kPairwisePieceBytes) {
-      const int n = static_cast<int>(std::min(kPairwisePieceBytes, start + block_bytes - offset));
-      const char* from = in + offset;
-      if (in_place) {
-        if (copy == ScratchCopy::kStreaming)
-          streaming_copy(scratch.data(), from, n);
-        else
-          std::memcpy(scratch.data(), from, n);
-        from = scratch.data();
-      }
-      if (int err = MPI_Sendrecv(from, n, MPI_BYTE, partner, tag, out + offset, n, MPI_BYTE,
-                                 partner, tag, comm, MPI_STATUS_IGNORE);
-          err != MPI_SUCCESS)
-        return err;
-    }
-  }
-  if (timed) {
-    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
-    scratch_copy_chooser().record(block_bytes, copy, took.count());
-  }
-  return MPI_SUCCESS;
-}
-
-}  // namespace
-
 ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check) {
   Call call(comm_handle, check, "alltoall", x.element_type(), x.dimensions());
   MPI_Comm comm = call.comm();
   int size;
   MPI_Comm_size(comm, &size);
   const int64_t block_bytes = static_cast<int64_t>(x.size_bytes()) / size;
-  // Only in host memory; CUDA-aware calls hand device pointers to MPI_Alltoall.
-  // Every rank has to choose alike: checking mode compares the choice.
-  const bool pairwise = block_bytes >= kPairwiseBlockBytes && memory().on_host();
-  if (auto err = call.param("pairwise", pairwise).agree(); err.failure()) return err;
+  const bool pairwise = own_exchange(block_bytes, comm);
+  if (pairwise) call.param("pairwise", 1);
+  if (auto err = call.agree(); err.failure()) return err;
   MPI_Datatype type;
   if (auto err = datatype_of(x, "alltoall", &type); err.failure()) return err;
   if (pairwise) {
-    JAXCOMM_CHECK_MPI(pairwise_alltoall(bytes(x), bytes(out), block_bytes, comm, size), "alltoall",
-                      comm);
+    JAXCOMM_CHECK_MPI(
+        pairwise_exchange(Exchange::kAlltoall, bytes(x), bytes(out), block_bytes, comm,
+                          [&](const char* in, int partner) { return in + partner * block_bytes; }),
+        "alltoall", comm);
     return ffi::Error::Success();
   }
   Block block(x.element_count() / size, type);

@@ -69,43 +69,6 @@ def test_alltoall(comm, dtype, mode):
     assert_values(out, np.stack([block(s, comm.rank) for s in range(comm.size)]))
 
 
-# Blocks from 64 KiB on take jaxcomm's pairwise exchange, in 1 MiB messages; the
-# tests below use float64 blocks of two messages, the second partial.
-def alltoall_block(count, src, dst):
-    return np.arange(count, dtype=np.float64) + 1000.0 * src + dst
-
-
-@pytest.mark.parametrize("mode", ["eager", "jit", "donated"])
-def test_alltoall_large_blocks(comm, mode):
-    count = (1 << 17) + 3  # 1 MiB + 24 B blocks: pairwise exchange, a partial last message
-    x = jnp.asarray(np.stack([alltoall_block(count, comm.rank, d) for d in range(comm.size)]))
-    if mode == "eager":
-        out = comm.alltoall(x)
-    else:
-        out = jax.jit(comm.alltoall, donate_argnums=0 if mode == "donated" else ())(x)
-    assert_values(out, np.stack([alltoall_block(count, s, comm.rank) for s in range(comm.size)]))
-
-
-@pytest.mark.parametrize("copy", ["plain", "streaming", "auto"])
-def test_alltoall_in_place_scratch_copies(comm, monkeypatch, copy):
-    """In place, each outgoing piece is copied into a scratch first, either way
-    (JAXCOMM_ALLTOALL_COPY; by default chosen by timing: see cpp/mpi_cpu.cc)."""
-    if copy == "auto":
-        monkeypatch.delenv("JAXCOMM_ALLTOALL_COPY", raising=False)
-    else:
-        monkeypatch.setenv("JAXCOMM_ALLTOALL_COPY", copy)
-    count = (1 << 17) + 5  # a last message shorter than the 64 B the streaming copy works in
-    rows = [np.stack([alltoall_block(count, src, dst) for dst in range(comm.size)])
-            for src in range(comm.size)]  # fmt: skip
-    mine, received = rows[comm.rank], np.stack([row[comm.rank] for row in rows])
-    step = jax.jit(comm.alltoall, donate_argnums=0)
-    x = jnp.asarray(mine)
-    # in auto mode the copy can change from one call to the next
-    for call in range(5):
-        x = step(x)
-        assert_values(x, received if call % 2 == 0 else mine)
-
-
 def test_zero_size_and_scalar(comm):
     assert_values(comm.bcast(jnp.zeros((0, 3)), root=0), np.zeros((0, 3), FLOAT))
     assert_values(

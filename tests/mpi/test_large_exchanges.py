@@ -1,0 +1,90 @@
+"""Large host arrays: allreduce, scan, allgather and alltoall run as jaxcomm's own
+exchanges from 64 KiB on (a block for allgather and alltoall, the array for the
+reductions), in messages of at most 1 MiB, with the data partners read written
+by plain or streaming stores (JAXCOMM_COPY; by default chosen by timing per
+process: see cpp/mpi_cpu.cc). The sizes below are odd on purpose: chunks that
+differ between ranks, partial last messages, blocks at unaligned offsets."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from data import assert_values, expected_reduction, rank_data
+
+from jaxcomm import ReduceOp
+
+COPIES = ["plain", "streaming", "auto"]
+MODES = ["eager", "jit", "donated"]
+# In auto mode the copy can change from one call to the next.
+CALLS = {"plain": 1, "streaming": 1, "auto": 5}
+
+
+@pytest.fixture(params=COPIES)
+def copy(request, monkeypatch):
+    if request.param == "auto":
+        monkeypatch.delenv("JAXCOMM_COPY", raising=False)
+    else:
+        monkeypatch.setenv("JAXCOMM_COPY", request.param)
+    return request.param
+
+
+def compiled(fn, mode):
+    if mode == "eager":
+        return fn
+    return jax.jit(fn, donate_argnums=0 if mode == "donated" else ())
+
+
+REDUCTIONS = [
+    (ReduceOp.SUM, "float32", (1 << 19) + 7),  # 2 MiB + 28 B: two messages per chunk
+    (ReduceOp.SUM, "float16", (1 << 15) + 1),  # jaxcomm's own MPI op
+    (ReduceOp.MAX, "int8", (1 << 16) + 5),
+    (ReduceOp.LOR, "int16", (1 << 15) + 3),  # results normalised to 0 or 1
+    (ReduceOp.SUM, "complex128", (1 << 12) + 9),
+]
+
+
+@pytest.mark.parametrize(("op", "dtype", "count"), REDUCTIONS, ids=str)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["allreduce", "scan"])
+def test_reduction(comm, copy, name, op, dtype, count, mode):
+    data = [rank_data(r, (count,), dtype) for r in range(comm.size)]
+    reduced = data if name == "allreduce" else data[: comm.rank + 1]
+    fn = compiled(lambda x: getattr(comm, name)(x, op=op), mode)
+    for _ in range(CALLS[copy]):
+        assert_values(fn(jnp.asarray(data[comm.rank])), expected_reduction(op, reduced))
+
+
+def test_allreduce_results_agree_bit_for_bit(comm):
+    """Each chunk is reduced on one rank and passed on, so rounding is the same
+    everywhere."""
+    x = jnp.asarray(np.random.default_rng(comm.rank).standard_normal((1 << 18) + 11, np.float32))
+    got = np.asarray(comm.allreduce(x))
+    first = comm.bcast(jnp.asarray(got), root=0)
+    np.testing.assert_array_equal(got, np.asarray(first))
+
+
+@pytest.mark.parametrize(("dtype", "count"), [("float64", (1 << 17) + 3), ("uint8", (1 << 16) + 1)])
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_allgather(comm, copy, dtype, count, mode):
+    data = [rank_data(r, (count,), dtype) for r in range(comm.size)]
+    fn = compiled(comm.allgather, mode)
+    for _ in range(CALLS[copy]):
+        assert_values(fn(jnp.asarray(data[comm.rank])), np.stack(data))
+
+
+def alltoall_block(count, src, dst, dtype):
+    return (np.arange(count) % 97 + 3 * src + dst).astype(dtype)
+
+
+@pytest.mark.parametrize(("dtype", "count"), [("float64", (1 << 17) + 5), ("int8", (1 << 16) + 1)])
+@pytest.mark.parametrize("mode", MODES)
+def test_alltoall(comm, copy, dtype, count, mode):
+    rows = [np.stack([alltoall_block(count, src, dst, dtype) for dst in range(comm.size)])
+            for src in range(comm.size)]  # fmt: skip
+    mine, received = rows[comm.rank], np.stack([row[comm.rank] for row in rows])
+    fn = compiled(comm.alltoall, mode)
+    x = jnp.asarray(mine)
+    for call in range(CALLS[copy]):
+        # in place, the result alternates between the two
+        x = fn(x) if mode == "donated" else fn(jnp.asarray(mine))
+        assert_values(x, received if mode != "donated" or call % 2 == 0 else mine)
