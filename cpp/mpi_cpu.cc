@@ -470,8 +470,10 @@ int ring_allreduce(char* data, int64_t count, size_t width, MPI_Datatype type, M
   auto chunk_bytes = [&](int c) { return chunk_start(c + 1) - chunk_start(c); };
   auto chunk_at = [&](int k) { return ((k % size) + size) % size; };
   // Sends chunk `send` to the right while receiving chunk `recv` from the left,
-  // piece by piece (the neighbours split the same chunk alike), and calls
-  // arrived(piece, offset in chunk, n) with each received piece.
+  // piece by piece, and calls arrived(piece, offset in chunk, n) with each
+  // received piece. Chunks differ by up to one element, so one may have a piece
+  // more than the other: that piece goes one way only, as the neighbour, which
+  // splits the same chunk alike, expects.
   auto step = [&](int send, int recv, char* into, auto&& arrived) {
     const int64_t longest = std::max(chunk_bytes(send), chunk_bytes(recv));
     return for_each_exchange_piece(longest, width, [&](int64_t offset, int n) {
@@ -479,9 +481,10 @@ int ring_allreduce(char* data, int64_t count, size_t width, MPI_Datatype type, M
       const int got = static_cast<int>(std::clamp<int64_t>(chunk_bytes(recv) - offset, 0, n));
       const char* from = chosen.outgoing(data + chunk_start(send) + offset, sent, outgoing);
       char* to = into ? into : data + chunk_start(recv) + offset;
-      const int code = MPI_Sendrecv(from, sent, MPI_BYTE, right, tag, to, got, MPI_BYTE, left, tag,
-                                    comm, MPI_STATUS_IGNORE);
-      if (code != MPI_SUCCESS) return code;
+      const int code =
+          MPI_Sendrecv(from, sent, MPI_BYTE, sent > 0 ? right : MPI_PROC_NULL, tag, to, got,
+                       MPI_BYTE, got > 0 ? left : MPI_PROC_NULL, tag, comm, MPI_STATUS_IGNORE);
+      if (code != MPI_SUCCESS || got == 0) return code;
       return arrived(to, offset, got);
     });
   };

@@ -54,6 +54,18 @@ def test_reduction(comm, copy, name, op, dtype, count, mode):
         assert_values(fn(jnp.asarray(data[comm.rank])), expected_reduction(op, reduced))
 
 
+@pytest.mark.parametrize("mode", ["eager", "donated"])
+def test_allreduce_chunk_with_a_piece_more(comm, copy, mode):
+    """The ring's chunks differ by up to one element; here the last has one
+    float32 more than 1 MiB (a second, one-element message) and the others
+    exactly 1 MiB."""
+    count = comm.size * (1 << 18) + 1
+    data = [rank_data(r, (count,), "float32") for r in range(comm.size)]
+    fn = compiled(comm.allreduce, mode)
+    for _ in range(CALLS[copy]):
+        assert_values(fn(jnp.asarray(data[comm.rank])), expected_reduction(ReduceOp.SUM, data))
+
+
 def test_allreduce_results_agree_bit_for_bit(comm):
     """Each chunk is reduced on one rank and passed on, so rounding is the same
     everywhere."""
