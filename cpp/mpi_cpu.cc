@@ -254,15 +254,43 @@ constexpr int64_t kExchangeBytes = int64_t{64} << 10;
 // that a scratch stays in cache.
 constexpr int64_t kPieceBytes = int64_t{1} << 20;
 
-int reserved_tag() {
-  static const int tag = [] {
-    int* ub = nullptr;
-    int found = 0;
-    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &found);
-    return found ? *ub : 32767;
-  }();
-  return tag;
+// The communicator that carries an exchange's messages: a duplicate of the
+// program's, made by the first exchange on it and freed with it. On the
+// program's own communicator, a recv from any source with any tag on one rank
+// could take a piece that a third rank, already in an exchange, sent it.
+int free_exchange_comm(MPI_Comm, int, void* attribute, void*) {
+  auto* duplicate = static_cast<MPI_Comm*>(attribute);
+  const int code = MPI_Comm_free(duplicate);
+  delete duplicate;
+  return code;
 }
+
+int exchange_comm(MPI_Comm comm, MPI_Comm* exchange) {
+  static const int keyval = [] {
+    int k = MPI_KEYVAL_INVALID;
+    MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, free_exchange_comm, &k, nullptr);
+    return k;
+  }();
+  MPI_Comm* duplicate = nullptr;
+  int found = 0;
+  if (int code = MPI_Comm_get_attr(comm, keyval, &duplicate, &found); code != MPI_SUCCESS)
+    return code;
+  if (!found) {
+    duplicate = new MPI_Comm(MPI_COMM_NULL);
+    if (int code = MPI_Comm_dup(comm, duplicate); code != MPI_SUCCESS) {
+      delete duplicate;
+      return code;
+    }
+    if (int code = MPI_Comm_set_attr(comm, keyval, duplicate); code != MPI_SUCCESS) {
+      free_exchange_comm(comm, keyval, duplicate, nullptr);
+      return code;
+    }
+  }
+  *exchange = *duplicate;
+  return MPI_SUCCESS;
+}
+
+constexpr int kExchangeTag = 0;
 
 // memcpy with non-temporal stores where the target has them: the data goes to
 // memory without displacing the cache or claiming the lines from the other
@@ -433,7 +461,8 @@ int pairwise_exchange(Exchange exchange, const char* in, char* out, int64_t bloc
   if (!in_place) chosen.copy(out + rank * block_bytes, block(in, rank), block_bytes);
   thread_local std::vector<char> scratch;
   if (in_place) scratch.resize(std::max<size_t>(scratch.size(), kPieceBytes));
-  const int tag = reserved_tag();
+  MPI_Comm messages;
+  if (int code = exchange_comm(comm, &messages); code != MPI_SUCCESS) return code;
   for (int round = 0; round < size; ++round) {
     const int partner = ((round - rank) % size + size) % size;
     if (partner == rank) continue;
@@ -445,8 +474,8 @@ int pairwise_exchange(Exchange exchange, const char* in, char* out, int64_t bloc
         chosen.copy(scratch.data(), from, n);
         from = scratch.data();
       }
-      return MPI_Sendrecv(from, n, MPI_BYTE, partner, tag, recv + offset, n, MPI_BYTE, partner, tag,
-                          comm, MPI_STATUS_IGNORE);
+      return MPI_Sendrecv(from, n, MPI_BYTE, partner, kExchangeTag, recv + offset, n, MPI_BYTE,
+                          partner, kExchangeTag, messages, MPI_STATUS_IGNORE);
     });
     if (code != MPI_SUCCESS) return code;
   }
@@ -465,7 +494,9 @@ int ring_allreduce(char* data, int64_t count, size_t width, MPI_Datatype type, M
   const ChosenCopy chosen(Exchange::kAllreduce, count * static_cast<int64_t>(width));
   char* incoming = incoming_scratch();
   thread_local std::vector<char> outgoing;
-  const int right = (rank + 1) % size, left = (rank + size - 1) % size, tag = reserved_tag();
+  const int right = (rank + 1) % size, left = (rank + size - 1) % size;
+  MPI_Comm messages;
+  if (int code = exchange_comm(comm, &messages); code != MPI_SUCCESS) return code;
   auto chunk_start = [&](int c) { return count * c / size * static_cast<int64_t>(width); };
   auto chunk_bytes = [&](int c) { return chunk_start(c + 1) - chunk_start(c); };
   auto chunk_at = [&](int k) { return ((k % size) + size) % size; };
@@ -481,9 +512,9 @@ int ring_allreduce(char* data, int64_t count, size_t width, MPI_Datatype type, M
       const int got = static_cast<int>(std::clamp<int64_t>(chunk_bytes(recv) - offset, 0, n));
       const char* from = chosen.outgoing(data + chunk_start(send) + offset, sent, outgoing);
       char* to = into ? into : data + chunk_start(recv) + offset;
-      const int code =
-          MPI_Sendrecv(from, sent, MPI_BYTE, sent > 0 ? right : MPI_PROC_NULL, tag, to, got,
-                       MPI_BYTE, got > 0 ? left : MPI_PROC_NULL, tag, comm, MPI_STATUS_IGNORE);
+      const int code = MPI_Sendrecv(from, sent, MPI_BYTE, sent > 0 ? right : MPI_PROC_NULL,
+                                    kExchangeTag, to, got, MPI_BYTE, got > 0 ? left : MPI_PROC_NULL,
+                                    kExchangeTag, messages, MPI_STATUS_IGNORE);
       if (code != MPI_SUCCESS || got == 0) return code;
       return arrived(to, offset, got);
     });
@@ -515,12 +546,14 @@ int pipelined_scan(const char* in, char* out, int64_t count, size_t width, MPI_D
   const ChosenCopy chosen(Exchange::kScan, bytes);
   char* incoming = incoming_scratch();
   thread_local std::vector<char> outgoing;
-  const int tag = reserved_tag();
+  MPI_Comm messages;
+  if (int code = exchange_comm(comm, &messages); code != MPI_SUCCESS) return code;
   return for_each_exchange_piece(bytes, width, [&](int64_t offset, int n) {
     char* piece = out + offset;
     if (in != out) std::memcpy(piece, in + offset, n);
     if (rank > 0) {
-      if (int code = MPI_Recv(incoming, n, MPI_BYTE, rank - 1, tag, comm, MPI_STATUS_IGNORE);
+      if (int code =
+              MPI_Recv(incoming, n, MPI_BYTE, rank - 1, kExchangeTag, messages, MPI_STATUS_IGNORE);
           code != MPI_SUCCESS)
         return code;
       if (int code = MPI_Reduce_local(incoming, piece, static_cast<int>(n / width), type, op);
@@ -528,7 +561,8 @@ int pipelined_scan(const char* in, char* out, int64_t count, size_t width, MPI_D
         return code;
     }
     if (rank == size - 1) return MPI_SUCCESS;
-    return MPI_Send(chosen.outgoing(piece, n, outgoing), n, MPI_BYTE, rank + 1, tag, comm);
+    return MPI_Send(chosen.outgoing(piece, n, outgoing), n, MPI_BYTE, rank + 1, kExchangeTag,
+                    messages);
   });
 }
 

@@ -164,9 +164,8 @@ class JaxComm:
             bool(check),
         )
         # MPI_TAG_UB is only guaranteed on COMM_WORLD (Open MPI omits it on some
-        # derived communicators). jaxcomm's own messages (alltoall's pairwise
-        # exchanges) use that largest tag; programs get the ones below it.
-        self._tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) - 1
+        # derived communicators).
+        self._tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
 
     # -- identity -------------------------------------------------------------
     @property

@@ -5,11 +5,14 @@ by plain or streaming stores (JAXCOMM_COPY; by default chosen by timing per
 process: see cpp/mpi_cpu.cc). The sizes below are odd on purpose: chunks that
 differ between ranks, partial last messages, blocks at unaligned offsets."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from data import assert_values, expected_reduction, rank_data
+from mpi4py import MPI
 
 from jaxcomm import ReduceOp
 
@@ -100,3 +103,44 @@ def test_alltoall(comm, copy, dtype, count, mode):
         # in place, the result alternates between the two
         x = fn(x) if mode == "donated" else fn(jnp.asarray(mine))
         assert_values(x, received if mode != "donated" or call % 2 == 0 else mine)
+
+
+@pytest.mark.parametrize("name", ["allgather", "alltoall", "allreduce"])
+def test_wildcard_receive_before_a_large_exchange(comm, name):
+    """A recv from any source with any tag, on a rank whose partners are already
+    in a large exchange, gets the message sent to it: the exchange's own
+    messages travel apart from the program's."""
+    if comm.size < 3:
+        pytest.skip("needs a rank outside the send/recv pair")
+    block = 1 << 16  # float32: 256 KiB, so every op takes jaxcomm's own exchange
+    shape = {"allgather": (block,), "alltoall": (comm.size, block), "allreduce": (block,)}[name]
+    data = [rank_data(r, shape, "float32") for r in range(comm.size)]
+    message = rank_data(100, (block,), "float32")
+    if comm.rank == 0:
+        time.sleep(0.5)  # the other ranks' exchange messages go out first
+        comm.send(jnp.asarray(message), dest=1, tag=5)
+    elif comm.rank == 1:
+        got, status = comm.recv(
+            jnp.zeros(block, jnp.float32), source=MPI.ANY_SOURCE, return_status=True
+        )
+        assert (int(status.source), int(status.tag)) == (0, 5)
+        assert_values(got, message)
+    out = getattr(comm, name)(jnp.asarray(data[comm.rank]))
+    if name == "allgather":
+        expected = np.stack(data)
+    elif name == "alltoall":
+        expected = np.stack([d[comm.rank] for d in data])
+    else:
+        expected = expected_reduction(ReduceOp.SUM, data)
+    assert_values(out, expected)
+
+
+def test_exchanges_on_communicators_that_come_and_go(comm):
+    """Each communicator's exchanges get their own duplicate, freed with it."""
+    block = 1 << 16
+    for round_ in range(3):
+        part = comm.split(color=comm.rank % 2, key=comm.rank)
+        members = [r for r in range(comm.size) if r % 2 == comm.rank % 2]
+        data = [rank_data(r + round_, (block,), "float32") for r in members]
+        assert_values(part.allgather(jnp.asarray(data[part.rank])), np.stack(data))
+        part.free()

@@ -120,12 +120,23 @@ def test_bad_p2p_arguments(comm):
         comm.recv(jnp.zeros(1), source=-7)
     with pytest.raises(ValueError, match="send: tag=-3 must be between 0 and"):
         comm.send(jnp.zeros(1), dest=0, tag=-3)
-    reserved = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)  # jaxcomm's own messages
+    largest = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
     with pytest.raises(
-        ValueError, match=rf"send: tag={reserved} must be between 0 and {reserved - 1}"
+        ValueError, match=rf"send: tag={largest + 1} must be between 0 and {largest}"
     ):
-        comm.send(jnp.zeros(1), dest=0, tag=reserved)
+        comm.send(jnp.zeros(1), dest=0, tag=largest + 1)
     with pytest.raises(TypeError, match="sendrecv: dest must be a Python int fixed at trace time"):
         jax.jit(lambda x, d: comm.sendrecv(x, source=0, dest=d))(jnp.zeros(1), 0)
     with pytest.raises(TypeError, match="send: tag must be a Python int fixed at trace time"):
         jax.jit(lambda x, t: comm.send(x, dest=0, tag=t))(jnp.zeros(1), 1)
+
+
+def test_largest_tag(comm):
+    """Every tag MPI allows is the program's, MPI.TAG_UB included (jaxcomm's own
+    messages travel on a communicator of their own)."""
+    largest = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+    right, left = ring(comm)
+    x = jnp.asarray(rank_data(comm.rank, (3,), "float32"))
+    out, status = comm.sendrecv(x, source=left, dest=right, sendtag=largest, return_status=True)
+    assert (int(status.source), int(status.tag)) == (left, largest)
+    assert_values(out, rank_data(left, (3,), "float32"))
