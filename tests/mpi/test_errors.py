@@ -23,6 +23,23 @@ def test_truncated_message_is_an_exception(comm):
     assert_values(comm.allreduce(jnp.ones(1)), np.full(1, comm.size, FLOAT))
 
 
+def test_truncated_sendrecv_is_an_exception(comm):
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    if comm.rank < 2:
+        peer = 1 - comm.rank
+        # Rank 1 sends 8 elements to rank 0, which expects 2; rank 0 sends 2 as expected.
+        x = jnp.arange(8.0 if comm.rank == 1 else 2.0)
+        exchange = jax.jit(lambda x, t: comm.sendrecv(x, t, source=peer, dest=peer))
+        if comm.rank == 0:
+            with pytest.raises(Exception, match=r"MPI error in sendrecv on rank 0: .*[Tt]runcat"):
+                jax.block_until_ready(exchange(x, jnp.zeros(2)))
+        else:
+            assert_values(exchange(x, jnp.zeros(2)), np.arange(2.0))
+    comm.barrier()
+    assert_values(comm.allreduce(jnp.ones(1)), np.full(1, comm.size, FLOAT))
+
+
 def resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
