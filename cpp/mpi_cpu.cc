@@ -241,10 +241,74 @@ void normalize_logical(Result& out, int32_t op) {
 }  // namespace
 
 // ---------------------------------------------------------------------------
-// Large exchanges in host memory. Allreduce, scan, allgather and alltoall of
-// large host buffers run as jaxcomm's own point-to-point messages rather than
-// MPI's collectives, so that jaxcomm decides where each outgoing piece is read
-// from (see docs/performance.md, "Large exchanges in host memory").
+// Waiting for messages
+
+namespace {
+
+// Waits for `n` requests by polling MPI_Testall, yielding the core between
+// polls once kPollsBeforeYield have found them unfinished, so that a rank that
+// waits long leaves the core to ranks that share it. MPICH's own blocking
+// waits cost more than a small message: with the MPICH wheel on 2 ranks,
+// MPI_Sendrecv of 4 B took 1.08 us (MPI_THREAD_MULTIPLE; most of it in
+// sched_yield) and 0.98 us (SERIALIZED), MPI_Irecv, MPI_Isend and this loop
+// 0.30 and 0.24 us.
+int wait_all(int n, MPI_Request* requests, MPI_Status* statuses) {
+  constexpr int kPollsBeforeYield = 1000;
+  for (int polls = 0;; ++polls) {
+    int done = 0;
+    const int code = MPI_Testall(n, requests, &done, statuses);
+    if (code == MPI_ERR_IN_STATUS) {
+      for (int i = 0; i < n; ++i)
+        if (statuses[i].MPI_ERROR != MPI_SUCCESS && statuses[i].MPI_ERROR != MPI_ERR_PENDING)
+          return statuses[i].MPI_ERROR;
+    }
+    if (code != MPI_SUCCESS || done) return code;
+    if (polls >= kPollsBeforeYield) std::this_thread::yield();
+  }
+}
+
+// MPI_Send, MPI_Recv and MPI_Sendrecv, completed by wait_all.
+int send(const void* data, int n, MPI_Datatype type, int dest, int tag, MPI_Comm comm) {
+  MPI_Request request;
+  MPI_Status status;
+  const int code = MPI_Isend(data, n, type, dest, tag, comm, &request);
+  return code == MPI_SUCCESS ? wait_all(1, &request, &status) : code;
+}
+
+int recv(void* data, int n, MPI_Datatype type, int source, int tag, MPI_Comm comm,
+         MPI_Status* status) {
+  MPI_Request request;
+  const int code = MPI_Irecv(data, n, type, source, tag, comm, &request);
+  return code == MPI_SUCCESS ? wait_all(1, &request, status) : code;
+}
+
+int sendrecv(const void* send_data, int send_n, MPI_Datatype send_type, int dest, int send_tag,
+             void* recv_data, int recv_n, MPI_Datatype recv_type, int source, int recv_tag,
+             MPI_Comm comm, MPI_Status* status) {
+  MPI_Request requests[2];
+  MPI_Status statuses[2];
+  int code = MPI_Irecv(recv_data, recv_n, recv_type, source, recv_tag, comm, &requests[0]);
+  if (code != MPI_SUCCESS) return code;
+  code = MPI_Isend(send_data, send_n, send_type, dest, send_tag, comm, &requests[1]);
+  if (code != MPI_SUCCESS) {
+    MPI_Cancel(&requests[0]);
+    MPI_Request_free(&requests[0]);
+    return code;
+  }
+  code = wait_all(2, requests, statuses);
+  *status = statuses[0];
+  return code;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// jaxcomm's own exchanges in host memory. Allreduce and bcast of small host
+// buffers, and allreduce, scan, allgather and alltoall of large ones, run as
+// jaxcomm's own point-to-point messages rather than MPI's collectives: small
+// ones so that they wait by polling (above), large ones so that jaxcomm
+// decides where each outgoing piece is read from (see docs/performance.md,
+// "jaxcomm's own exchanges").
 
 namespace {
 
@@ -415,12 +479,20 @@ class ChosenCopy {
 };
 
 // Whether an op of `bytes` (as kExchangeBytes counts them) takes jaxcomm's own
-// exchange.
-// Only in host memory: CUDA-aware calls hand device pointers to MPI's collectives.
-// Every rank has to choose alike: checking mode compares the choice, which the
-// call's parameters show only where it is taken.
+// exchange for large messages, or (allreduce and bcast) for small ones. Only in
+// host memory: CUDA-aware calls hand device pointers to MPI's collectives.
 bool own_exchange(int64_t bytes, MPI_Comm comm) {
   return comm_size(comm) > 1 && bytes >= kExchangeBytes && memory().on_host();
+}
+bool own_small_exchange(int64_t bytes, MPI_Comm comm) {
+  return comm_size(comm) > 1 && bytes < kExchangeBytes && memory().on_host();
+}
+
+// Every rank has to choose alike; the choice follows from the array's shape and
+// dtype, which checking mode compares, and from where it lives, which this adds
+// to the call's description.
+void describe_memory(Call& call) {
+  if (!memory().on_host()) call.param("device", 1);
 }
 
 // This thread's scratch for one incoming piece, kept from call to call.
@@ -438,6 +510,81 @@ int for_each_exchange_piece(int64_t bytes, size_t width, Fn&& fn) {
     if (int code = fn(offset, static_cast<int>(std::min(step, bytes - offset)));
         code != MPI_SUCCESS)
       return code;
+  return MPI_SUCCESS;
+}
+
+// Allreduce in place of a small array by recursive doubling: in round k, rank
+// r swaps its partial result with rank r xor 2^k, and both compute (lower
+// rank's) op (higher rank's), so every rank ends with the same bits even for
+// an op that does not commute bit for bit (max of a NaN). When p is not a power
+// of two, the first 2e ranks (e = p - 2^floor(log2 p)) pair up first: each even
+// one hands its array to the odd one above, which takes part for both and
+// hands the result back.
+int doubling_allreduce(char* data, int count, int bytes, MPI_Datatype type, MPI_Op op,
+                       MPI_Comm comm) {
+  const int rank = comm_rank(comm), size = comm_size(comm);
+  MPI_Comm messages;
+  if (int code = exchange_comm(comm, &messages); code != MPI_SUCCESS) return code;
+  char* incoming = incoming_scratch();
+  MPI_Status status;
+  const int participants = static_cast<int>(std::bit_floor(static_cast<unsigned>(size)));
+  const int paired = 2 * (size - participants);
+  auto exchange = [&](int partner, bool lower) {
+    int code = sendrecv(data, bytes, MPI_BYTE, partner, kExchangeTag, incoming, bytes, MPI_BYTE,
+                        partner, kExchangeTag, messages, &status);
+    if (code != MPI_SUCCESS) return code;
+    if (!lower) return MPI_Reduce_local(incoming, data, count, type, op);
+    code = MPI_Reduce_local(data, incoming, count, type, op);
+    std::memcpy(data, incoming, static_cast<size_t>(bytes));
+    return code;
+  };
+  if (rank < paired && rank % 2 == 0) {
+    if (int code = send(data, bytes, MPI_BYTE, rank + 1, kExchangeTag, messages);
+        code != MPI_SUCCESS)
+      return code;
+    return recv(data, bytes, MPI_BYTE, rank + 1, kExchangeTag, messages, &status);
+  }
+  if (rank < paired) {
+    if (int code = recv(incoming, bytes, MPI_BYTE, rank - 1, kExchangeTag, messages, &status);
+        code != MPI_SUCCESS)
+      return code;
+    if (int code = MPI_Reduce_local(incoming, data, count, type, op); code != MPI_SUCCESS)
+      return code;
+  }
+  const int me = rank < paired ? rank / 2 : rank - paired / 2;
+  auto rank_of = [&](int participant) {
+    return participant < paired / 2 ? 2 * participant + 1 : participant + paired / 2;
+  };
+  for (int mask = 1; mask < participants; mask <<= 1) {
+    const int partner = me ^ mask;
+    if (int code = exchange(rank_of(partner), me < partner); code != MPI_SUCCESS) return code;
+  }
+  if (rank < paired) return send(data, bytes, MPI_BYTE, rank - 1, kExchangeTag, messages);
+  return MPI_SUCCESS;
+}
+
+// Bcast of a small array down a binomial tree from `root`.
+int tree_bcast(char* data, int bytes, int root, MPI_Comm comm) {
+  const int rank = comm_rank(comm), size = comm_size(comm);
+  MPI_Comm messages;
+  if (int code = exchange_comm(comm, &messages); code != MPI_SUCCESS) return code;
+  const int me = (rank - root + size) % size;
+  int mask = 1;
+  for (; mask < size; mask <<= 1) {
+    if ((me & mask) == 0) continue;
+    MPI_Status status;
+    if (int code =
+            recv(data, bytes, MPI_BYTE, (me - mask + root) % size, kExchangeTag, messages, &status);
+        code != MPI_SUCCESS)
+      return code;
+    break;
+  }
+  for (mask >>= 1; mask > 0; mask >>= 1) {
+    if (me + mask >= size) continue;
+    if (int code = send(data, bytes, MPI_BYTE, (me + mask + root) % size, kExchangeTag, messages);
+        code != MPI_SUCCESS)
+      return code;
+  }
   return MPI_SUCCESS;
 }
 
@@ -576,14 +723,19 @@ ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle,
                      int32_t op) {
   Call call(comm_handle, check, "allreduce", x.element_type(), x.dimensions());
   MPI_Comm comm = call.comm();
-  const bool ring = own_exchange(static_cast<int64_t>(x.size_bytes()), comm);
+  const int64_t size_bytes = static_cast<int64_t>(x.size_bytes());
   call.reduce_op(op);
-  if (ring) call.param("ring", 1);
+  describe_memory(call);
   if (auto err = call.agree(); err.failure()) return err;
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = reduction_of(x, op, "allreduce", &type, &mpi); err.failure()) return err;
-  if (ring) {
+  if (own_small_exchange(size_bytes, comm)) {
+    copy_if_distinct(out, x);
+    JAXCOMM_CHECK_MPI(doubling_allreduce(bytes(out), static_cast<int>(x.element_count()),
+                                         static_cast<int>(size_bytes), type, mpi, comm),
+                      "allreduce", comm);
+  } else if (own_exchange(size_bytes, comm)) {
     copy_if_distinct(out, x);
     JAXCOMM_CHECK_MPI(
         ring_allreduce(bytes(out), x.element_count(), element_size(x), type, mpi, comm),
@@ -632,7 +784,7 @@ ffi::Error scan(Buffer x, Result out, int64_t comm_handle, bool check, int32_t o
   MPI_Comm comm = call.comm();
   const bool pipelined = !kExclusive && own_exchange(static_cast<int64_t>(x.size_bytes()), comm);
   call.reduce_op(op);
-  if (pipelined) call.param("pipelined", 1);
+  describe_memory(call);
   if (auto err = call.agree(); err.failure()) return err;
   MPI_Datatype type;
   MPI_Op mpi;
@@ -710,11 +862,18 @@ ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_han
 ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
                  int32_t root) {
   Call call(comm_handle, check, "bcast", x.element_type(), x.dimensions());
-  if (auto err = call.param("root", root).agree(); err.failure()) return err;
+  call.param("root", root);
+  describe_memory(call);
+  if (auto err = call.agree(); err.failure()) return err;
   MPI_Comm comm = call.comm();
   MPI_Datatype type;
   if (auto err = datatype_of(x, "bcast", &type); err.failure()) return err;
   if (comm_rank(comm) == root) copy_if_distinct(out, x);
+  if (own_small_exchange(static_cast<int64_t>(x.size_bytes()), comm)) {
+    JAXCOMM_CHECK_MPI(tree_bcast(bytes(out), static_cast<int>(x.size_bytes()), root, comm), "bcast",
+                      comm);
+    return ffi::Error::Success();
+  }
   JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
                                    [&](int64_t offset, int n) {
                                      return MPI_Bcast(bytes(out) + offset * element_size(x), n,
@@ -750,7 +909,7 @@ ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle,
   MPI_Comm comm = call.comm();
   const int64_t block_bytes = static_cast<int64_t>(x.size_bytes());
   const bool pairwise = own_exchange(block_bytes, comm);
-  if (pairwise) call.param("pairwise", 1);
+  describe_memory(call);
   if (auto err = call.agree(); err.failure()) return err;
   MPI_Datatype type;
   if (auto err = datatype_of(x, "allgather", &type); err.failure()) return err;
@@ -789,7 +948,7 @@ ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, 
   MPI_Comm_size(comm, &size);
   const int64_t block_bytes = static_cast<int64_t>(x.size_bytes()) / size;
   const bool pairwise = own_exchange(block_bytes, comm);
-  if (pairwise) call.param("pairwise", 1);
+  describe_memory(call);
   if (auto err = call.agree(); err.failure()) return err;
   MPI_Datatype type;
   if (auto err = datatype_of(x, "alltoall", &type); err.failure()) return err;
@@ -814,61 +973,6 @@ ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, 
 // always written; the status output holds the sender's rank and the tag.
 
 namespace {
-
-// Waits for `n` requests by polling MPI_Testall, yielding the core between
-// polls once kPollsBeforeYield have found them unfinished, so that a rank that
-// waits long leaves the core to ranks that share it. MPICH's own blocking
-// waits cost more than a small message: with the MPICH wheel on 2 ranks,
-// MPI_Sendrecv of 4 B took 1.08 us (MPI_THREAD_MULTIPLE; most of it in
-// sched_yield) and 0.98 us (SERIALIZED), MPI_Irecv, MPI_Isend and this loop
-// 0.30 and 0.24 us.
-int wait_all(int n, MPI_Request* requests, MPI_Status* statuses) {
-  constexpr int kPollsBeforeYield = 1000;
-  for (int polls = 0;; ++polls) {
-    int done = 0;
-    const int code = MPI_Testall(n, requests, &done, statuses);
-    if (code == MPI_ERR_IN_STATUS) {
-      for (int i = 0; i < n; ++i)
-        if (statuses[i].MPI_ERROR != MPI_SUCCESS && statuses[i].MPI_ERROR != MPI_ERR_PENDING)
-          return statuses[i].MPI_ERROR;
-    }
-    if (code != MPI_SUCCESS || done) return code;
-    if (polls >= kPollsBeforeYield) std::this_thread::yield();
-  }
-}
-
-// MPI_Send, MPI_Recv and MPI_Sendrecv, completed by wait_all.
-int send(const void* data, int n, MPI_Datatype type, int dest, int tag, MPI_Comm comm) {
-  MPI_Request request;
-  MPI_Status status;
-  const int code = MPI_Isend(data, n, type, dest, tag, comm, &request);
-  return code == MPI_SUCCESS ? wait_all(1, &request, &status) : code;
-}
-
-int recv(void* data, int n, MPI_Datatype type, int source, int tag, MPI_Comm comm,
-         MPI_Status* status) {
-  MPI_Request request;
-  const int code = MPI_Irecv(data, n, type, source, tag, comm, &request);
-  return code == MPI_SUCCESS ? wait_all(1, &request, status) : code;
-}
-
-int sendrecv(const void* send_data, int send_n, MPI_Datatype send_type, int dest, int send_tag,
-             void* recv_data, int recv_n, MPI_Datatype recv_type, int source, int recv_tag,
-             MPI_Comm comm, MPI_Status* status) {
-  MPI_Request requests[2];
-  MPI_Status statuses[2];
-  int code = MPI_Irecv(recv_data, recv_n, recv_type, source, recv_tag, comm, &requests[0]);
-  if (code != MPI_SUCCESS) return code;
-  code = MPI_Isend(send_data, send_n, send_type, dest, send_tag, comm, &requests[1]);
-  if (code != MPI_SUCCESS) {
-    MPI_Cancel(&requests[0]);
-    MPI_Request_free(&requests[0]);
-    return code;
-  }
-  code = wait_all(2, requests, statuses);
-  *status = statuses[0];
-  return code;
-}
 
 // How many messages for_each_piece splits `count` elements into.
 int64_t pieces(int64_t count) { return count == 0 ? 1 : (count + kMaxCount - 1) / kMaxCount; }
