@@ -308,7 +308,7 @@ int sendrecv(const void* send_data, int send_n, MPI_Datatype send_type, int dest
 // jaxcomm's own point-to-point messages rather than MPI's collectives: small
 // ones so that they wait by polling (above), large ones so that jaxcomm
 // decides where each outgoing piece is read from (see docs/performance.md,
-// "jaxcomm's own exchanges").
+// "Small messages" and "Large exchanges in host memory").
 
 namespace {
 
@@ -478,14 +478,14 @@ class ChosenCopy {
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
 };
 
-// Whether an op of `bytes` (as kExchangeBytes counts them) takes jaxcomm's own
-// exchange for large messages, or (allreduce and bcast) for small ones. Only in
-// host memory: CUDA-aware calls hand device pointers to MPI's collectives.
-bool own_exchange(int64_t bytes, MPI_Comm comm) {
-  return comm_size(comm) > 1 && bytes >= kExchangeBytes && memory().on_host();
-}
-bool own_small_exchange(int64_t bytes, MPI_Comm comm) {
-  return comm_size(comm) > 1 && bytes < kExchangeBytes && memory().on_host();
+// Which exchange an op of `bytes` (as kExchangeBytes counts them) takes: MPI's
+// collective, or jaxcomm's own for small messages (allreduce and bcast) or for
+// large ones. Only in host memory: CUDA-aware calls hand device pointers to
+// MPI's collectives.
+enum class Route { kMpi, kSmall, kLarge };
+Route route(int64_t bytes, MPI_Comm comm) {
+  if (comm_size(comm) == 1 || !memory().on_host()) return Route::kMpi;
+  return bytes < kExchangeBytes ? Route::kSmall : Route::kLarge;
 }
 
 // Every rank has to choose alike; the choice follows from the array's shape and
@@ -622,8 +622,9 @@ int pairwise_exchange(Exchange exchange, const char* in, char* out, int64_t bloc
         chosen.copy(scratch.data(), from, n);
         from = scratch.data();
       }
-      return MPI_Sendrecv(from, n, MPI_BYTE, partner, kExchangeTag, recv + offset, n, MPI_BYTE,
-                          partner, kExchangeTag, messages, MPI_STATUS_IGNORE);
+      MPI_Status status;
+      return sendrecv(from, n, MPI_BYTE, partner, kExchangeTag, recv + offset, n, MPI_BYTE, partner,
+                      kExchangeTag, messages, &status);
     });
     if (code != MPI_SUCCESS) return code;
   }
@@ -660,9 +661,10 @@ int ring_allreduce(char* data, int64_t count, size_t width, MPI_Datatype type, M
       const int got = static_cast<int>(std::clamp<int64_t>(chunk_bytes(recv) - offset, 0, n));
       const char* from = chosen.outgoing(data + chunk_start(send) + offset, sent, outgoing);
       char* to = into ? into : data + chunk_start(recv) + offset;
-      const int code = MPI_Sendrecv(from, sent, MPI_BYTE, sent > 0 ? right : MPI_PROC_NULL,
-                                    kExchangeTag, to, got, MPI_BYTE, got > 0 ? left : MPI_PROC_NULL,
-                                    kExchangeTag, messages, MPI_STATUS_IGNORE);
+      MPI_Status status;
+      const int code =
+          sendrecv(from, sent, MPI_BYTE, sent > 0 ? right : MPI_PROC_NULL, kExchangeTag, to, got,
+                   MPI_BYTE, got > 0 ? left : MPI_PROC_NULL, kExchangeTag, messages, &status);
       if (code != MPI_SUCCESS || got == 0) return code;
       return arrived(to, offset, got);
     });
@@ -700,8 +702,8 @@ int pipelined_scan(const char* in, char* out, int64_t count, size_t width, MPI_D
     char* piece = out + offset;
     if (in != out) std::memcpy(piece, in + offset, n);
     if (rank > 0) {
-      if (int code =
-              MPI_Recv(incoming, n, MPI_BYTE, rank - 1, kExchangeTag, messages, MPI_STATUS_IGNORE);
+      MPI_Status status;
+      if (int code = recv(incoming, n, MPI_BYTE, rank - 1, kExchangeTag, messages, &status);
           code != MPI_SUCCESS)
         return code;
       if (int code = MPI_Reduce_local(incoming, piece, static_cast<int>(n / width), type, op);
@@ -709,8 +711,7 @@ int pipelined_scan(const char* in, char* out, int64_t count, size_t width, MPI_D
         return code;
     }
     if (rank == size - 1) return MPI_SUCCESS;
-    return MPI_Send(chosen.outgoing(piece, n, outgoing), n, MPI_BYTE, rank + 1, kExchangeTag,
-                    messages);
+    return send(chosen.outgoing(piece, n, outgoing), n, MPI_BYTE, rank + 1, kExchangeTag, messages);
   });
 }
 
@@ -730,12 +731,13 @@ ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle,
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = reduction_of(x, op, "allreduce", &type, &mpi); err.failure()) return err;
-  if (own_small_exchange(size_bytes, comm)) {
+  const Route how = route(size_bytes, comm);
+  if (how == Route::kSmall) {
     copy_if_distinct(out, x);
     JAXCOMM_CHECK_MPI(doubling_allreduce(bytes(out), static_cast<int>(x.element_count()),
                                          static_cast<int>(size_bytes), type, mpi, comm),
                       "allreduce", comm);
-  } else if (own_exchange(size_bytes, comm)) {
+  } else if (how == Route::kLarge) {
     copy_if_distinct(out, x);
     JAXCOMM_CHECK_MPI(
         ring_allreduce(bytes(out), x.element_count(), element_size(x), type, mpi, comm),
@@ -782,7 +784,8 @@ ffi::Error scan(Buffer x, Result out, int64_t comm_handle, bool check, int32_t o
   constexpr std::string_view name = kExclusive ? "exscan" : "scan";
   Call call(comm_handle, check, name, x.element_type(), x.dimensions());
   MPI_Comm comm = call.comm();
-  const bool pipelined = !kExclusive && own_exchange(static_cast<int64_t>(x.size_bytes()), comm);
+  const bool pipelined =
+      !kExclusive && route(static_cast<int64_t>(x.size_bytes()), comm) == Route::kLarge;
   call.reduce_op(op);
   describe_memory(call);
   if (auto err = call.agree(); err.failure()) return err;
@@ -869,7 +872,7 @@ ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, boo
   MPI_Datatype type;
   if (auto err = datatype_of(x, "bcast", &type); err.failure()) return err;
   if (comm_rank(comm) == root) copy_if_distinct(out, x);
-  if (own_small_exchange(static_cast<int64_t>(x.size_bytes()), comm)) {
+  if (route(static_cast<int64_t>(x.size_bytes()), comm) == Route::kSmall) {
     JAXCOMM_CHECK_MPI(tree_bcast(bytes(out), static_cast<int>(x.size_bytes()), root, comm), "bcast",
                       comm);
     return ffi::Error::Success();
@@ -908,7 +911,7 @@ ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle,
   Call call(comm_handle, check, "allgather", x.element_type(), x.dimensions());
   MPI_Comm comm = call.comm();
   const int64_t block_bytes = static_cast<int64_t>(x.size_bytes());
-  const bool pairwise = own_exchange(block_bytes, comm);
+  const bool pairwise = route(block_bytes, comm) == Route::kLarge;
   describe_memory(call);
   if (auto err = call.agree(); err.failure()) return err;
   MPI_Datatype type;
@@ -947,7 +950,7 @@ ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, 
   int size;
   MPI_Comm_size(comm, &size);
   const int64_t block_bytes = static_cast<int64_t>(x.size_bytes()) / size;
-  const bool pairwise = own_exchange(block_bytes, comm);
+  const bool pairwise = route(block_bytes, comm) == Route::kLarge;
   describe_memory(call);
   if (auto err = call.agree(); err.failure()) return err;
   MPI_Datatype type;
