@@ -225,13 +225,13 @@ def use_device(platform: str, comm: MPI.Intracomm) -> str:
     return f"{DEVICE.device_kind}, jaxcomm {mode}"
 
 
-def jax_case(op: str, count: int, call: Callable, *, jit: bool, size: int, rank: int) -> Case:
+def jax_case(op: str, count: int, call: Callable, *, jit: bool, comm: MPI.Intracomm) -> Case:
     """`call(op)` gives the single-array function of this backend for op."""
     import jax
     import jax.numpy as jnp
 
     fn = call(op)
-    x = reference_input(op, count, rank, size)
+    x = reference_input(op, count, comm.rank, comm.size)
 
     if op in ("allgather", "reduce_scatter"):
         step = lambda c: c.at[(0,) * c.ndim].set(fn(c).reshape(-1)[0])  # noqa: E731
@@ -250,6 +250,9 @@ def jax_case(op: str, count: int, call: Callable, *, jit: bool, size: int, rank:
 
         def timed(pairs):
             c = jnp.zeros(x.shape, jnp.float32, device=DEVICE).block_until_ready()
+            # Ranks start together: a rank's short execution would otherwise also
+            # time its wait for a partner still busy with the previous one.
+            comm.Barrier()
             start = time.perf_counter()
             loop(c, pairs).block_until_ready()
             return time.perf_counter() - start
@@ -284,6 +287,7 @@ class JaxcommBackend(Backend):
     def __init__(self, comm: MPI.Intracomm, *, jit: bool, check: bool = False):
         from jaxcomm import JaxComm
 
+        self.mpi_comm = comm
         self.comm = JaxComm(comm, check=check)
         self.jit = jit
         self.name = ("jaxcomm-jit" if jit else "jaxcomm-eager") + ("-check" if check else "")
@@ -296,8 +300,7 @@ class JaxcommBackend(Backend):
         return getattr(comm, op)
 
     def case(self, op, count):
-        comm = self.comm
-        return jax_case(op, count, self._call, jit=self.jit, size=comm.size, rank=comm.rank)
+        return jax_case(op, count, self._call, jit=self.jit, comm=self.mpi_comm)
 
 
 class Mpi4jaxBackend(Backend):
@@ -326,8 +329,7 @@ class Mpi4jaxBackend(Backend):
     def case(self, op, count):
         if op == "reduce_scatter":
             return None
-        comm = self.comm
-        return jax_case(op, count, self._call, jit=self.jit, size=comm.size, rank=comm.rank)
+        return jax_case(op, count, self._call, jit=self.jit, comm=self.comm)
 
 
 def mpi4jax_available() -> bool:

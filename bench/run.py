@@ -80,6 +80,18 @@ def make_backends(comm: MPI.Intracomm, wanted: set[str], build_dir: Path) -> lis
     return [b for b in found if not wanted or b.name in wanted]
 
 
+def slowest_per_call(comm: MPI.Intracomm, case: B.Case, iters: int, name: str) -> float:
+    """Seconds per call on the slowest rank. A JAX loop's time is a difference
+    between two executions, which noise can make negative when the machine is
+    busy: all ranks then measure again, a few times at most."""
+    for _ in range(5):
+        comm.Barrier()
+        per_call = comm.allreduce(case.time(iters) / iters, op=MPI.MAX)
+        if per_call > 0:
+            return per_call
+    raise SystemExit(f"bench: {name}: no positive time in 5 tries; raise --min-time")
+
+
 def calibrate(comm: MPI.Intracomm, case: B.Case, min_time: float) -> int:
     """Iterations for one timed loop to last about min_time (the same on all ranks)."""
     case.time(2)  # compile and warm up
@@ -117,9 +129,7 @@ def measure(comm, args, out_file) -> list[dict]:
             times = {name: [] for name in cases}
             for _ in range(args.reps):
                 for name, (case, iters) in cases.items():
-                    comm.Barrier()
-                    per_call = case.time(iters) / iters
-                    times[name].append(comm.allreduce(per_call, op=MPI.MAX))
+                    times[name].append(slowest_per_call(comm, case, iters, name))
             reference = "C" if "C" in times else next(iter(times))  # GPU runs: the first backend
             c_median = statistics.median(times[reference])
             for name, samples in times.items():

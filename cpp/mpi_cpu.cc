@@ -303,12 +303,13 @@ int sendrecv(const void* send_data, int send_n, MPI_Datatype send_type, int dest
 }  // namespace
 
 // ---------------------------------------------------------------------------
-// jaxcomm's own exchanges in host memory. Allreduce and bcast of small host
-// buffers, and allreduce, scan, allgather and alltoall of large ones, run as
-// jaxcomm's own point-to-point messages rather than MPI's collectives: small
-// ones so that they wait by polling (above), large ones so that jaxcomm
-// decides where each outgoing piece is read from (see docs/performance.md,
-// "Small messages" and "Large exchanges in host memory").
+// jaxcomm's own exchanges in host memory. Allreduce, bcast, scan, exscan,
+// allgather, alltoall and reduce_scatter of small host buffers, and allreduce,
+// scan, allgather and alltoall of large ones, run as jaxcomm's own
+// point-to-point messages rather than MPI's collectives: small ones so that
+// they wait by polling (above), large ones so that jaxcomm decides where each
+// outgoing piece is read from (see docs/performance.md, "Small messages" and
+// "Large exchanges in host memory").
 
 namespace {
 
@@ -478,14 +479,21 @@ class ChosenCopy {
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
 };
 
+// Small allgather, alltoall and reduce_scatter send p - 1 messages at once
+// (below); beyond this many ranks, MPI's collectives, which take log p rounds
+// of fewer messages, stay theirs.
+constexpr int kMostPostedRanks = 8;
+
 // Which exchange an op of `bytes` (as kExchangeBytes counts them) takes: MPI's
-// collective, or jaxcomm's own for small messages (allreduce and bcast) or for
-// large ones. Only in host memory: CUDA-aware calls hand device pointers to
-// MPI's collectives.
+// collective, or jaxcomm's own for small messages or for large ones. Only in
+// host memory: CUDA-aware calls hand device pointers to MPI's collectives.
+// `posted` marks the small exchanges whose messages are all posted at once.
 enum class Route { kMpi, kSmall, kLarge };
-Route route(int64_t bytes, MPI_Comm comm) {
-  if (comm_size(comm) == 1 || !memory().on_host()) return Route::kMpi;
-  return bytes < kExchangeBytes ? Route::kSmall : Route::kLarge;
+Route route(int64_t bytes, MPI_Comm comm, bool posted = false) {
+  const int size = comm_size(comm);
+  if (size == 1 || !memory().on_host()) return Route::kMpi;
+  if (bytes >= kExchangeBytes) return Route::kLarge;
+  return posted && size > kMostPostedRanks ? Route::kMpi : Route::kSmall;
 }
 
 // Every rank has to choose alike; the choice follows from the array's shape and
@@ -586,6 +594,80 @@ int tree_bcast(char* data, int bytes, int root, MPI_Comm comm) {
       return code;
   }
   return MPI_SUCCESS;
+}
+
+// Small scan or exscan by recursive doubling: in round k, rank r swaps with
+// rank r xor 2^k the reduction of the block of ranks it has covered so far;
+// what comes from below also goes into r's result. log p rounds on any p.
+int doubling_scan(const char* in, char* out, int count, int bytes, MPI_Datatype type, MPI_Op op,
+                  bool exclusive, MPI_Comm comm) {
+  const int rank = comm_rank(comm), size = comm_size(comm);
+  MPI_Comm messages;
+  if (int code = exchange_comm(comm, &messages); code != MPI_SUCCESS) return code;
+  char* incoming = incoming_scratch();
+  thread_local std::vector<char> covered;
+  covered.assign(in, in + bytes);
+  if (!exclusive && in != out) std::memcpy(out, in, static_cast<size_t>(bytes));
+  bool out_written = !exclusive;
+  for (int mask = 1; mask < size; mask <<= 1) {
+    const int partner = rank ^ mask;
+    if (partner >= size) continue;
+    MPI_Status status;
+    if (int code = sendrecv(covered.data(), bytes, MPI_BYTE, partner, kExchangeTag, incoming, bytes,
+                            MPI_BYTE, partner, kExchangeTag, messages, &status);
+        code != MPI_SUCCESS)
+      return code;
+    if (partner < rank) {
+      if (!out_written) {
+        std::memcpy(out, incoming, static_cast<size_t>(bytes));
+        out_written = true;
+      } else if (int code = MPI_Reduce_local(incoming, out, count, type, op); code != MPI_SUCCESS) {
+        return code;
+      }
+    }
+    if (int code = MPI_Reduce_local(incoming, covered.data(), count, type, op); code != MPI_SUCCESS)
+      return code;
+  }
+  return MPI_SUCCESS;
+}
+
+// Allgather, alltoall and reduce_scatter of small blocks: every receive and
+// send posted at once, then one polled wait. `outgoing(partner)` is the block
+// for partner, `incoming(partner)` where partner's block goes.
+template <typename Outgoing, typename Incoming>
+int posted_exchange(int block_bytes, MPI_Comm comm, Outgoing&& outgoing, Incoming&& incoming) {
+  const int rank = comm_rank(comm), size = comm_size(comm);
+  MPI_Comm messages;
+  if (int code = exchange_comm(comm, &messages); code != MPI_SUCCESS) return code;
+  MPI_Request requests[2 * kMostPostedRanks];
+  MPI_Status statuses[2 * kMostPostedRanks];
+  int posted = 0;
+  auto post = [&](int code) {
+    if (code == MPI_SUCCESS) {
+      ++posted;
+      return true;
+    }
+    for (int i = 0; i < posted; ++i) {
+      MPI_Cancel(&requests[i]);
+      MPI_Request_free(&requests[i]);
+    }
+    return false;
+  };
+  for (int k = 1; k < size; ++k) {
+    const int partner = (rank + size - k) % size;
+    if (int code = MPI_Irecv(incoming(partner), block_bytes, MPI_BYTE, partner, kExchangeTag,
+                             messages, &requests[posted]);
+        !post(code))
+      return code;
+  }
+  for (int k = 1; k < size; ++k) {
+    const int partner = (rank + k) % size;
+    if (int code = MPI_Isend(outgoing(partner), block_bytes, MPI_BYTE, partner, kExchangeTag,
+                             messages, &requests[posted]);
+        !post(code))
+      return code;
+  }
+  return wait_all(posted, requests, statuses);
 }
 
 // Alltoall and allgather as p rounds of pairwise exchanges: round k pairs rank r
@@ -784,15 +866,18 @@ ffi::Error scan(Buffer x, Result out, int64_t comm_handle, bool check, int32_t o
   constexpr std::string_view name = kExclusive ? "exscan" : "scan";
   Call call(comm_handle, check, name, x.element_type(), x.dimensions());
   MPI_Comm comm = call.comm();
-  const bool pipelined =
-      !kExclusive && route(static_cast<int64_t>(x.size_bytes()), comm) == Route::kLarge;
+  const Route how = route(static_cast<int64_t>(x.size_bytes()), comm);
   call.reduce_op(op);
   describe_memory(call);
   if (auto err = call.agree(); err.failure()) return err;
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = reduction_of(x, op, name, &type, &mpi); err.failure()) return err;
-  if (pipelined) {
+  if (how == Route::kSmall) {
+    JAXCOMM_CHECK_MPI(doubling_scan(bytes(x), bytes(out), static_cast<int>(x.element_count()),
+                                    static_cast<int>(x.size_bytes()), type, mpi, kExclusive, comm),
+                      name, comm);
+  } else if (how == Route::kLarge && !kExclusive) {
     JAXCOMM_CHECK_MPI(
         pipelined_scan(bytes(x), bytes(out), x.element_count(), element_size(x), type, mpi, comm),
         name, comm);
@@ -828,12 +913,35 @@ ffi::Error Exscan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bo
 ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
                          int32_t op) {
   Call call(comm_handle, check, "reduce_scatter", x.element_type(), x.dimensions());
-  if (auto err = call.reduce_op(op).agree(); err.failure()) return err;
   MPI_Comm comm = call.comm();
+  const int64_t block = out->element_count();
+  const int64_t block_bytes = static_cast<int64_t>(out->size_bytes());
+  const Route how = route(block_bytes, comm, /*posted=*/true);
+  call.reduce_op(op);
+  describe_memory(call);
+  if (auto err = call.agree(); err.failure()) return err;
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = reduction_of(x, op, "reduce_scatter", &type, &mpi); err.failure()) return err;
-  const int64_t block = out->element_count();
+  if (how == Route::kSmall) {
+    const int rank = comm_rank(comm), size = comm_size(comm);
+    thread_local std::vector<char> rows;
+    rows.resize(std::max(rows.size(), static_cast<size_t>(size * block_bytes)));
+    JAXCOMM_CHECK_MPI(posted_exchange(
+                          static_cast<int>(block_bytes), comm,
+                          [&](int partner) { return bytes(x) + partner * block_bytes; },
+                          [&](int partner) { return rows.data() + partner * block_bytes; }),
+                      "reduce_scatter", comm);
+    std::memcpy(bytes(out), bytes(x) + rank * block_bytes, block_bytes);
+    for (int partner = 0; partner < size; ++partner) {
+      if (partner == rank) continue;
+      JAXCOMM_CHECK_MPI(MPI_Reduce_local(rows.data() + partner * block_bytes, bytes(out),
+                                         static_cast<int>(block), type, mpi),
+                        "reduce_scatter", comm);
+    }
+    normalize_logical(out, op);
+    return ffi::Error::Success();
+  }
   if (block <= kMaxCount) {
     JAXCOMM_CHECK_MPI(MPI_Reduce_scatter_block(x.untyped_data(), out->untyped_data(),
                                                static_cast<int>(block), type, mpi, comm),
@@ -911,12 +1019,20 @@ ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle,
   Call call(comm_handle, check, "allgather", x.element_type(), x.dimensions());
   MPI_Comm comm = call.comm();
   const int64_t block_bytes = static_cast<int64_t>(x.size_bytes());
-  const bool pairwise = route(block_bytes, comm) == Route::kLarge;
+  const Route how = route(block_bytes, comm, /*posted=*/true);
   describe_memory(call);
   if (auto err = call.agree(); err.failure()) return err;
   MPI_Datatype type;
   if (auto err = datatype_of(x, "allgather", &type); err.failure()) return err;
-  if (pairwise) {
+  if (how == Route::kSmall) {
+    std::memcpy(bytes(out) + comm_rank(comm) * block_bytes, bytes(x), block_bytes);
+    JAXCOMM_CHECK_MPI(posted_exchange(
+                          static_cast<int>(block_bytes), comm, [&](int) { return bytes(x); },
+                          [&](int partner) { return bytes(out) + partner * block_bytes; }),
+                      "allgather", comm);
+    return ffi::Error::Success();
+  }
+  if (how == Route::kLarge) {
     JAXCOMM_CHECK_MPI(pairwise_exchange(Exchange::kAllgather, bytes(x), bytes(out), block_bytes,
                                         comm, [](const char* in, int) { return in; }),
                       "allgather", comm);
@@ -950,12 +1066,31 @@ ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, 
   int size;
   MPI_Comm_size(comm, &size);
   const int64_t block_bytes = static_cast<int64_t>(x.size_bytes()) / size;
-  const bool pairwise = route(block_bytes, comm) == Route::kLarge;
+  const Route how = route(block_bytes, comm, /*posted=*/true);
   describe_memory(call);
   if (auto err = call.agree(); err.failure()) return err;
   MPI_Datatype type;
   if (auto err = datatype_of(x, "alltoall", &type); err.failure()) return err;
-  if (pairwise) {
+  const bool in_place = bytes(out) == bytes(x);
+  if (how == Route::kSmall) {
+    // In place, the blocks to send are read from a copy: their places receive.
+    thread_local std::vector<char> copy;
+    const char* blocks = bytes(x);
+    if (in_place) {
+      copy.assign(blocks, blocks + x.size_bytes());
+      blocks = copy.data();
+    } else {
+      const int64_t own = comm_rank(comm) * block_bytes;
+      std::memcpy(bytes(out) + own, blocks + own, block_bytes);
+    }
+    JAXCOMM_CHECK_MPI(posted_exchange(
+                          static_cast<int>(block_bytes), comm,
+                          [&](int partner) { return blocks + partner * block_bytes; },
+                          [&](int partner) { return bytes(out) + partner * block_bytes; }),
+                      "alltoall", comm);
+    return ffi::Error::Success();
+  }
+  if (how == Route::kLarge) {
     JAXCOMM_CHECK_MPI(
         pairwise_exchange(Exchange::kAlltoall, bytes(x), bytes(out), block_bytes, comm,
                           [&](const char* in, int partner) { return in + partner * block_bytes; }),
@@ -963,7 +1098,6 @@ ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, 
     return ffi::Error::Success();
   }
   Block block(x.element_count() / size, type);
-  const bool in_place = bytes(out) == bytes(x);
   JAXCOMM_CHECK_MPI(
       MPI_Alltoall(in_place ? MPI_IN_PLACE : x.untyped_data(), block.count(), block.type(),
                    out->untyped_data(), block.count(), block.type(), comm),

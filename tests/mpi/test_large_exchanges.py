@@ -96,15 +96,20 @@ def test_alltoall(comm, copy, dtype, count, mode):
         assert_values(x, received if mode != "donated" or call % 2 == 0 else mine)
 
 
-@pytest.mark.parametrize("name", ["allgather", "alltoall", "allreduce"])
-def test_wildcard_receive_before_a_large_exchange(comm, name):
+EXCHANGES = ["allgather", "alltoall", "allreduce", "reduce_scatter", "scan", "bcast"]
+
+
+@pytest.mark.parametrize("block", [3, 1 << 16], ids=["small", "large"])
+@pytest.mark.parametrize("name", EXCHANGES)
+def test_wildcard_receive_before_an_exchange(comm, name, block):
     """A recv from any source with any tag, on a rank whose partners are already
-    in a large exchange, gets the message sent to it: the exchange's own
-    messages travel apart from the program's."""
+    in an exchange, gets the message sent to it: jaxcomm's own exchanges (small
+    ones below 64 KiB, large ones from 64 KiB on: float32 blocks of 12 B and
+    256 KiB here) send their messages apart from the program's."""
     if comm.size < 3:
         pytest.skip("needs a rank outside the send/recv pair")
-    block = 1 << 16  # float32: 256 KiB, so every op takes jaxcomm's own exchange
-    shape = {"allgather": (block,), "alltoall": (comm.size, block), "allreduce": (block,)}[name]
+    rows = (comm.size, block)
+    shape = {"alltoall": rows, "reduce_scatter": rows}.get(name, (block,))
     data = [rank_data(r, shape, "float32") for r in range(comm.size)]
     message = rank_data(100, (block,), "float32")
     if comm.rank == 0:
@@ -117,12 +122,14 @@ def test_wildcard_receive_before_a_large_exchange(comm, name):
         assert (int(status.source), int(status.tag)) == (0, 5)
         assert_values(got, message)
     out = getattr(comm, name)(jnp.asarray(data[comm.rank]))
-    if name == "allgather":
-        expected = np.stack(data)
-    elif name == "alltoall":
-        expected = np.stack([d[comm.rank] for d in data])
-    else:
-        expected = expected_reduction(ReduceOp.SUM, data)
+    expected = {
+        "allgather": lambda: np.stack(data),
+        "alltoall": lambda: np.stack([d[comm.rank] for d in data]),
+        "allreduce": lambda: expected_reduction(ReduceOp.SUM, data),
+        "reduce_scatter": lambda: expected_reduction(ReduceOp.SUM, data)[comm.rank],
+        "scan": lambda: expected_reduction(ReduceOp.SUM, data[: comm.rank + 1]),
+        "bcast": lambda: data[0],
+    }[name]()
     assert_values(out, expected)
 
 
