@@ -267,6 +267,15 @@ int wait_all(int n, MPI_Request* requests, MPI_Status* statuses) {
   }
 }
 
+// Cancels and frees the first n requests, which were posted, when posting the
+// next failed: none outlives the call.
+void abandon(int n, MPI_Request* requests) {
+  for (int i = 0; i < n; ++i) {
+    MPI_Cancel(&requests[i]);
+    MPI_Request_free(&requests[i]);
+  }
+}
+
 // MPI_Send, MPI_Recv and MPI_Sendrecv, completed by wait_all.
 int send(const void* data, int n, MPI_Datatype type, int dest, int tag, MPI_Comm comm) {
   MPI_Request request;
@@ -291,8 +300,7 @@ int sendrecv(const void* send_data, int send_n, MPI_Datatype send_type, int dest
   if (code != MPI_SUCCESS) return code;
   code = MPI_Isend(send_data, send_n, send_type, dest, send_tag, comm, &requests[1]);
   if (code != MPI_SUCCESS) {
-    MPI_Cancel(&requests[0]);
-    MPI_Request_free(&requests[0]);
+    abandon(1, requests);
     return code;
   }
   code = wait_all(2, requests, statuses);
@@ -643,15 +651,11 @@ int posted_exchange(int block_bytes, MPI_Comm comm, Outgoing&& outgoing, Incomin
   MPI_Status statuses[2 * kMostPostedRanks];
   int posted = 0;
   auto post = [&](int code) {
-    if (code == MPI_SUCCESS) {
+    if (code == MPI_SUCCESS)
       ++posted;
-      return true;
-    }
-    for (int i = 0; i < posted; ++i) {
-      MPI_Cancel(&requests[i]);
-      MPI_Request_free(&requests[i]);
-    }
-    return false;
+    else
+      abandon(posted, requests);
+    return code == MPI_SUCCESS;
   };
   for (int k = 1; k < size; ++k) {
     const int partner = (rank + size - k) % size;
