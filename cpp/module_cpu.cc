@@ -3,11 +3,13 @@
 #include <mpi.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -29,22 +31,25 @@ namespace jaxcomm {
 namespace {
 
 // Eager calls run a host operation directly on the buffers of arrays that are
-// already computed, outside XLA (jaxcomm's eager fast path). Buffers arrive as
-// (array, dtype code): inputs are jax.Arrays, outputs writable NumPy arrays.
-// The buffer protocol gives their memory: for a jax.Array it waits until the
-// array is computed and keeps its buffer alive until released, and it costs
-// less than jax.Array.unsafe_buffer_pointer or NumPy's ctypes attribute. `attrs`
-// are the operation's attributes in the order of its binding (comm, check, then
-// the op's own).
-using RawBuffer = std::tuple<nb::handle, int>;
-
+// already computed, outside XLA (jaxcomm's eager fast path). Inputs are
+// jax.Arrays, outputs writable NumPy arrays, each with its dtype code. The buffer
+// protocol gives their memory: for a jax.Array it waits until the array is
+// computed and keeps its buffer alive until released, and it costs less than
+// jax.Array.unsafe_buffer_pointer or NumPy's ctypes attribute. `attrs` are the
+// operation's attributes in the order of its binding (comm, check, then the
+// op's own).
 class EagerArguments {
  public:
-  EagerArguments(const std::vector<RawBuffer>& inputs, const std::vector<RawBuffer>& outputs,
+  EagerArguments(nb::args inputs, const std::vector<int>& input_codes,
+                 const std::vector<nb::object>& outputs, const std::vector<int>& output_codes,
                  nb::tuple attrs)
-      : inputs_(inputs.size()), outputs_(outputs.size()), attrs_(std::move(attrs)) {
-    for (size_t i = 0; i < inputs.size(); ++i) inputs_[i].describe(inputs[i], /*writable=*/false);
-    for (size_t i = 0; i < outputs.size(); ++i) outputs_[i].describe(outputs[i], /*writable=*/true);
+      : inputs_(inputs.size()), outputs_(outputs.size()), attrs_(attrs) {
+    for (size_t i = 0; i < inputs_.size(); ++i) {
+      inputs_[i].describe(inputs[i], input_codes[i], /*writable=*/false);
+    }
+    for (size_t i = 0; i < outputs_.size(); ++i) {
+      outputs_[i].describe(outputs[i], output_codes[i], /*writable=*/true);
+    }
     token_.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
     token_.dtype = XLA_FFI_DataType_TOKEN;
     strings_.reserve(4);  // string_views into it must stay valid
@@ -84,8 +89,7 @@ class EagerArguments {
       if (view.obj != nullptr) PyBuffer_Release(&view);
     }
 
-    void describe(const RawBuffer& raw, bool writable) {
-      const auto& [array, dtype] = raw;
+    void describe(nb::handle array, int dtype, bool writable) {
       // PyBUF_ND: C-contiguous, or refused.
       int flags = writable ? PyBUF_ND | PyBUF_WRITABLE : PyBUF_ND;
       void* data = nullptr;
@@ -128,24 +132,83 @@ const char* error_code_name(std::optional<ffi::ErrorCode> code) {
   }
 }
 
+using EagerRun = ffi::Error (*)(EagerArguments&);
+
 template <auto Function>
 struct Eager;
 
-// Returns None, or (error code name, message) when the operation fails.
 template <typename... Args, ffi::Error (*Function)(Args...)>
 struct Eager<Function> {
-  static nb::object Run(const std::vector<RawBuffer>& inputs, const std::vector<RawBuffer>& outputs,
-                        nb::tuple attrs) {
-    EagerArguments arguments(inputs, outputs, std::move(attrs));
+  static ffi::Error Run(EagerArguments& arguments) {
     std::tuple<Args...> args{arguments.template next<Args>()...};  // braces: left to right
+    nb::gil_scoped_release unlocked;                               // MPI may wait for other ranks
+    return std::apply(Function, args);
+  }
+};
+
+EagerRun eager_run(std::string_view operation) {
+#define JAXCOMM_EAGER_RUN(name, function, binding) \
+  if (operation == #name) return &Eager<&host::function>::Run;
+  JAXCOMM_OPERATIONS(JAXCOMM_EAGER_RUN, _)
+#undef JAXCOMM_EAGER_RUN
+  throw nb::value_error(("no jaxcomm operation named " + std::string(operation)).c_str());
+}
+
+// One operation on arrays of fixed types, called directly: made once per
+// signature by jaxcomm._eager. It is in C++ because its Python equivalent cost
+// about as much again as the call's own work (lists, zips and frames).
+class EagerCall {
+ public:
+  // Each output is (allocate, dtype code, wrap): allocate() makes the NumPy array
+  // the result is written to, wrap(array) the jax.Array returned (with wrap None,
+  // the NumPy array is). `before()` runs first; fail(code name, message) raises
+  // the call's error.
+  EagerCall(std::string_view operation, std::vector<int> input_codes,
+            std::vector<std::tuple<nb::object, int, nb::object>> outputs, nb::tuple attrs,
+            nb::object before, nb::object fail)
+      : run_(eager_run(operation)),
+        input_codes_(std::move(input_codes)),
+        attrs_(std::move(attrs)),
+        before_(std::move(before)),
+        fail_(std::move(fail)) {
+    for (auto& [allocate, code, wrap] : outputs) {
+      allocate_.push_back(std::move(allocate));
+      output_codes_.push_back(code);
+      wrap_.push_back(std::move(wrap));
+    }
+  }
+
+  // The results on `inputs`, as a list of new jax.Arrays.
+  nb::list operator()(nb::args inputs) const {
+    if (inputs.size() != input_codes_.size()) {
+      throw nb::type_error("jaxcomm eager call: wrong number of arrays");
+    }
+    before_();
+    std::vector<nb::object> outputs;
+    outputs.reserve(allocate_.size());
+    for (const nb::object& allocate : allocate_) outputs.push_back(allocate());
     ffi::Error error = ffi::Error::Success();
     {
-      nb::gil_scoped_release unlocked;  // MPI may wait for other ranks
-      error = std::apply(Function, args);
+      EagerArguments arguments(inputs, input_codes_, outputs, output_codes_, attrs_);
+      error = run_(arguments);
     }
-    if (error.success()) return nb::none();
-    return nb::make_tuple(error_code_name(error.errc()), error.message());
+    if (!error.success()) {
+      fail_(error_code_name(error.errc()), error.message());
+      throw std::runtime_error("jaxcomm eager call: fail() returned");
+    }
+    nb::list results;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      results.append(wrap_[i].is_none() ? outputs[i] : wrap_[i](outputs[i]));
+    }
+    return results;
   }
+
+ private:
+  EagerRun run_;
+  std::vector<int> input_codes_, output_codes_;
+  std::vector<nb::object> allocate_, wrap_;
+  nb::tuple attrs_;
+  nb::object before_, fail_;
 };
 
 }  // namespace
@@ -178,12 +241,14 @@ NB_MODULE(_jaxcomm_cpu, m) {
 #undef JAXCOMM_REGISTER
     return targets;
   });
-  nb::dict eager;
-#define JAXCOMM_EAGER(name, function, binding) \
-  eager[#name] = nb::cpp_function(&jaxcomm::Eager<&jaxcomm::host::function>::Run);
-  JAXCOMM_OPERATIONS(JAXCOMM_EAGER, _)
-#undef JAXCOMM_EAGER
-  m.attr("eager") = eager;
+  nb::class_<jaxcomm::EagerCall>(m, "EagerCall",
+                                 "An operation on arrays of fixed types, run directly.")
+      .def(nb::init<std::string_view, std::vector<int>,
+                    std::vector<std::tuple<nb::object, int, nb::object>>, nb::tuple, nb::object,
+                    nb::object>(),
+           nb::arg("operation"), nb::arg("input_codes"), nb::arg("outputs"), nb::arg("attrs"),
+           nb::arg("before"), nb::arg("fail"))
+      .def("__call__", &jaxcomm::EagerCall::operator());
   nb::dict dtype_codes;
   for (int code = 0; code < 64; ++code) {
     const char* name = jaxcomm::dtype_name(static_cast<xla::ffi::DataType>(code));

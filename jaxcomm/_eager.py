@@ -18,19 +18,19 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import core
 
-from jaxcomm._jax_internals import ArrayImpl, at_top_level, host_array
+from jaxcomm._jax_internals import ArrayImpl, at_top_level, host_arrays
 from jaxcomm._native import cpu
 
 ENABLED = os.environ.get("JAXCOMM_EAGER", "direct") != "jit"
 _CODES: dict[np.dtype, int] = {jnp.dtype(name): code for name, code in cpu.dtype_codes.items()}
-_ALIGN = 64  # bytes: XLA's own alignment, and what lets host_array share the memory
+_ALIGN = 64  # bytes: XLA's own alignment, and what lets host_arrays share the memory
 
 
 def can_run(arrays: Sequence[Any]) -> bool:
@@ -60,25 +60,22 @@ def _device(sharding: jax.sharding.Sharding) -> Any:
     return next(iter(sharding.device_set))
 
 
-def _empty(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> np.ndarray:
-    if nbytes < 4096:  # copying a small result costs less than aligning it
-        return np.empty(shape, dtype)
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + _ALIGN, np.uint8)
     start = -raw.ctypes.data % _ALIGN
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-class _Result(NamedTuple):
-    aval: core.ShapedArray
-    code: int  # the dtype's XLA FFI code
-    nbytes: int
+def _allocator(aval: core.ShapedArray) -> Callable[[], np.ndarray]:
+    """A function that makes the NumPy array a result of type `aval` is written to."""
+    nbytes = aval.size * aval.dtype.itemsize
+    if nbytes < 4096:  # copying a small result costs less than aligning it
+        return functools.partial(np.empty, aval.shape, aval.dtype)
+    return functools.partial(_aligned_empty, aval.shape, aval.dtype, nbytes)
 
 
-class _Plan(NamedTuple):
-    """What a call needs beyond its inputs' buffers: fixed by their types and the params."""
-
-    results: tuple[_Result, ...]
-    attrs: tuple[int | str, ...]  # the host function's attributes
+def _fail(code: str, message: str) -> None:
+    raise jax.errors.JaxRuntimeError(f"{code}: {message}")
 
 
 class EagerOp:
@@ -94,43 +91,78 @@ class EagerOp:
         abstract_eval: Callable[..., Sequence[core.ShapedArray]],
         attr_names: Sequence[str],
     ):
-        self._host_function = cpu.eager[name]
+        self._name = name
         self._abstract_eval = abstract_eval
         self._attr_names = tuple(attr_names)
 
     def __call__(self, args: Sequence[jax.Array], comm: Any, **params: Any) -> list[jax.Array]:
         """The operation's results, as new arrays (never aliased with `args`)."""
-        jax.effects_barrier()
-        inputs, in_types = [], []
-        for a in args:
-            shape, dtype = a.shape, a.dtype
-            inputs.append((a, _CODES[dtype]))
-            in_types.append((shape, dtype))
-        plan = _plan(self, tuple(in_types), comm, tuple(params.items()))
-        outputs = [_empty(r.aval.shape, r.aval.dtype, r.nbytes) for r in plan.results]
-        raw_outputs = [(o, r.code) for o, r in zip(outputs, plan.results, strict=True)]
-        failure = self._host_function(inputs, raw_outputs, plan.attrs)
-        if failure is not None:
-            code, message = failure
-            raise jax.errors.JaxRuntimeError(f"{code}: {message}")
-        if not outputs:
-            return []
-        device = _device(args[0].sharding)  # every operation with results has an input
-        return [host_array(o, r.aval, device) for o, r in zip(outputs, plan.results, strict=True)]
+        in_types = tuple((a.shape, a.dtype) for a in args)
+        # Every operation with results has an input; the others never use `device`.
+        device = _device(args[0].sharding) if args else None
+        return _plan(self, in_types, comm, tuple(params.items()), device)(*args)
 
-    def plan(self, in_types, comm, params) -> _Plan:
-        """The plan of a call on arrays of `in_types`, worked out afresh (see _plan)."""
+    def plan(self, in_types, comm, params, device, first_only=False) -> cpu.EagerCall:
+        """The call on arrays of `in_types` on `device`, worked out afresh (see _plan).
+        With `first_only`, the results after the first stay NumPy arrays."""
         avals = [core.ShapedArray(shape, dtype) for shape, dtype in in_types]
         params = dict(params)
-        results = tuple(
-            _Result(aval, _CODES[aval.dtype], aval.size * aval.dtype.itemsize)
+        outputs = [
+            (_allocator(aval), _CODES[aval.dtype], host_arrays(aval, device))
             for aval in self._abstract_eval(*avals, comm=comm, **params)
-        )
+        ]
+        if first_only:
+            outputs[1:] = [(allocate, code, None) for allocate, code, _ in outputs[1:]]
         own = (v if isinstance(v, str) else int(v) for v in map(params.get, self._attr_names))
-        return _Plan(results, (comm.handle, comm.check, *own))
+        return cpu.EagerCall(
+            self._name,
+            [_CODES[dtype] for _, dtype in in_types],
+            outputs,
+            (comm.handle, comm.check, *own),
+            before=jax.effects_barrier,
+            fail=_fail,
+        )
 
 
 # Calls mostly repeat a signature, and working out a plan costs more than looking it up.
 @functools.lru_cache(maxsize=1024)
-def _plan(op: EagerOp, in_types, comm, params) -> _Plan:
-    return op.plan(in_types, comm, params)
+def _plan(op: EagerOp, in_types, comm, params, device, first_only=False) -> cpu.EagerCall:
+    return op.plan(in_types, comm, params, device, first_only)
+
+
+# The shortcut for JaxComm's methods: a call on one array that repeats an earlier
+# call, in everything its argument checks depend on, skips those checks and goes
+# straight to the plan. It saves JaxComm's pytree handling, its checks and
+# Primitive.bind, most of a small call's cost. Its results after the first (a
+# receive's status) stay NumPy arrays: wrapping one as a jax.Array costs as
+# much as the rest of the call, and most calls discard the status.
+_repeatable: dict[tuple, cpu.EagerCall] = {}
+_MOST_REPEATABLE = 4096
+
+
+def _signature(op: EagerOp, x: jax.Array, comm: Any, params: dict[str, Any]) -> tuple:
+    return (op, x.shape, x.dtype, x.sharding, comm, *params.items())
+
+
+def run_again(op: EagerOp, x: Any, comm: Any, params: dict[str, Any]) -> list[jax.Array] | None:
+    """op's results on x now (the first a jax.Array, any others NumPy arrays), if
+    `remember` has seen the same call (op, comm and params, x's shape, dtype and
+    placement) and no trace is active; else None."""
+    if type(x) is not ArrayImpl:
+        return None
+    call = _repeatable.get(_signature(op, x, comm, params))
+    if call is None or not at_top_level():
+        return None
+    return call(x)
+
+
+def remember(op: EagerOp, x: Any, comm: Any, params: dict[str, Any]) -> None:
+    """Let calls like this one, which has just passed its checks and run on the
+    direct path, take `run_again`."""
+    if type(x) is not ArrayImpl or not can_run((x,)):
+        return
+    if len(_repeatable) >= _MOST_REPEATABLE:
+        _repeatable.clear()
+    in_types, device = ((x.shape, x.dtype),), _device(x.sharding)
+    call = _plan(op, in_types, comm, tuple(params.items()), device, first_only=True)
+    _repeatable[_signature(op, x, comm, params)] = call

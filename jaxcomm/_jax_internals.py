@@ -26,7 +26,7 @@ __all__ = [
     "ArrayImpl",
     "apply_primitive",
     "at_top_level",
-    "host_array",
+    "host_arrays",
     "lower_identity",
     "lower_with_token",
 ]
@@ -71,10 +71,12 @@ def at_top_level() -> bool:
     return core.trace_ctx.is_top_level()
 
 
-def host_array(value: np.ndarray, aval: core.ShapedArray, device: Any) -> jax.Array:
-    """A jax.Array on the CPU `device` that shares `value`'s memory (64-byte aligned
-    NumPy data is not copied): what jax.device_put does, without its Python layers."""
-    return xla_client.batched_device_put(aval, _on(device), [value], [device], True)
+def host_arrays(aval: core.ShapedArray, device: Any) -> Callable[[np.ndarray], jax.Array]:
+    """A function that makes a jax.Array of type `aval` on the CPU `device` from a
+    NumPy array, sharing its memory when it is 64-byte aligned (else copying): what
+    jax.device_put does, without its Python layers."""
+    sharding, devices = _on(device), [device]
+    return lambda value: xla_client.batched_device_put(aval, sharding, [value], devices, True)
 
 
 @functools.cache

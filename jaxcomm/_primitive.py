@@ -58,13 +58,13 @@ class CommPrimitive(Primitive):
 
     def __init__(self, name: str, abstract_eval: AbstractEval, attrs: Sequence[str]):
         super().__init__(f"jaxcomm_{name}")
-        self._eager = _eager.EagerOp(name, abstract_eval, attrs)
+        self.eager = _eager.EagerOp(name, abstract_eval, attrs)
         # Reached only through Primitive.bind, that is when the direct path cannot run.
         self.def_impl(partial(apply_primitive, self))
 
     def bind(self, *args: Any, **params: Any) -> Sequence[Any]:
         if _eager.can_run(args):
-            return self._eager(args, **params)
+            return self.eager(args, **params)
         return super().bind(*args, **params)
 
 

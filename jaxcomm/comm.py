@@ -13,6 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from jaxcomm import _collectives, _eager, _kernels, _p2p, _reductions
+from jaxcomm._jax_internals import ArrayImpl
 from jaxcomm._ops import ReduceOp, as_reduce_op, check_dtype, check_reduction
 from jaxcomm._primitive import CommInfo
 
@@ -31,6 +32,8 @@ class Status(NamedTuple):
 
 
 def _static_int(operation: str, name: str, value: Any) -> int:
+    if type(value) is int:
+        return value
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
             f"{operation}: {name} must be a Python int fixed at trace time, got a traced "
@@ -39,6 +42,11 @@ def _static_int(operation: str, name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{operation}: {name} must be an int, got {type(value).__name__}")
     return int(value)
+
+
+def _status(status: Any) -> Status:
+    """A Status from a receive's (source, tag) array (NumPy on the eager shortcut)."""
+    return Status(jnp.asarray(status[0]), jnp.asarray(status[1]))
 
 
 def _check_from_environment() -> bool:
@@ -63,24 +71,29 @@ def _jitted(body, static, leaves):
 FUSE_BELOW_BYTES = 1 << 16
 
 
-def _map_leaves(leaves, *, fn, fuse=False, **params):
-    """fn(leaf) for every leaf. With `fuse` (for element-wise ops) and while
-    tracing, small leaves of one dtype are flattened into one array so that they
-    cost one MPI call; eager direct calls cost less than concatenating eagerly."""
+def _map_leaves(leaves, *, primitive, fuse=False, **params):
+    """`primitive` (an op on one array) on every leaf. With `fuse` (for element-wise
+    ops) and while tracing, small leaves of one dtype are flattened into one array
+    so that they cost one MPI call; eager direct calls cost less than concatenating
+    eagerly."""
+
+    def apply(x):
+        return primitive.bind(x, **params)[0]
+
     if not (fuse and any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)):
-        return [fn(leaf, **params) for leaf in leaves]
+        return [apply(leaf) for leaf in leaves]
     results = list(leaves)
     groups: dict[Any, list[int]] = {}
     for i, leaf in enumerate(leaves):
         if leaf.size * leaf.dtype.itemsize < FUSE_BELOW_BYTES:
             groups.setdefault(leaf.dtype, []).append(i)
         else:
-            results[i] = fn(leaf, **params)
+            results[i] = apply(leaf)
     for members in groups.values():  # in order of first appearance: the same on every rank
         if len(members) == 1:
-            results[members[0]] = fn(leaves[members[0]], **params)
+            results[members[0]] = apply(leaves[members[0]])
             continue
-        flat = fn(jnp.concatenate([jnp.ravel(leaves[i]) for i in members]), **params)
+        flat = apply(jnp.concatenate([jnp.ravel(leaves[i]) for i in members]))
         offsets = np.cumsum([0] + [leaves[i].size for i in members])
         for i, start, stop in zip(members, offsets[:-1], offsets[1:], strict=True):
             results[i] = flat[start:stop].reshape(leaves[i].shape)
@@ -292,37 +305,45 @@ class JaxComm:
     def _apply(
         self,
         operation: str,
-        fn,
+        primitive,
         x: PyTree,
         *,
-        leading_axis: bool = False,
+        leading_axis: str | None = None,
         elementwise: bool = False,
         **params,
     ) -> PyTree:
-        """Check x's leaves and apply the single-array op `fn` to each of them
-        (small leaves together, when the op is element-wise)."""
+        """Check x's leaves and apply `primitive`, an op on one array, to each of
+        them (small leaves together, when the op is element-wise). `leading_axis`
+        names the leaves that must have a leading axis of length size."""
+        comm = self._comm
+        again = _eager.run_again(primitive.eager, x, comm, params)
+        if again is not None:
+            return again[0]
         leaves, tree = self._leaves(operation, x, params.get("op"))
-        if leading_axis:
+        if leading_axis is not None:
             for leaf in leaves:
-                self._leading_axis(operation, leaf)
-        results = _dispatch(_map_leaves, leaves, fn=fn, fuse=elementwise, comm=self._comm, **params)
+                self._leading_axis(operation, leaf, leading_axis)
+        results = _dispatch(
+            _map_leaves, leaves, primitive=primitive, fuse=elementwise, comm=comm, **params
+        )
+        _eager.remember(primitive.eager, x, comm, params)
         return jax.tree.unflatten(tree, results)
 
     # -- reductions ---------------------------------------------------------------
     def allreduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Element-wise reduction over all ranks, on every rank. Same shapes as x."""
         op = as_reduce_op(op)
-        return self._apply("allreduce", _reductions.allreduce, x, elementwise=True, op=op)
+        return self._apply("allreduce", _reductions.allreduce_p, x, elementwise=True, op=op)
 
     def reduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM, root: int = 0) -> PyTree:
         """The reduction on root; other ranks get x back unchanged. Same shapes as x."""
         root = self._rank("reduce", "root", root)
         op = as_reduce_op(op)
-        return self._apply("reduce", _reductions.reduce, x, elementwise=True, op=op, root=root)
+        return self._apply("reduce", _reductions.reduce_p, x, elementwise=True, op=op, root=root)
 
     def scan(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Inclusive prefix reduction: rank r gets op(x_0, ..., x_r). Same shapes as x."""
-        return self._apply("scan", _reductions.scan, x, elementwise=True, op=as_reduce_op(op))
+        return self._apply("scan", _reductions.scan_p, x, elementwise=True, op=as_reduce_op(op))
 
     def exscan(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Exclusive prefix reduction: rank r gets op(x_0, ..., x_{r-1}).
@@ -331,29 +352,29 @@ class JaxComm:
         value for MAX, ...) where MPI would leave it undefined. Same shapes as x.
         """
         op = as_reduce_op(op)
-        return self._apply("exscan", _reductions.exscan, x, elementwise=True, op=op)
+        return self._apply("exscan", _reductions.exscan_p, x, elementwise=True, op=op)
 
     def reduce_scatter(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """x: ``(size, *s)`` on every rank; rank r gets row r of the reduction, shape s."""
         op = as_reduce_op(op)
         return self._apply(
-            "reduce_scatter", _reductions.reduce_scatter, x, leading_axis=True, op=op
+            "reduce_scatter", _reductions.reduce_scatter_p, x, leading_axis="x", op=op
         )
 
     # -- data movement --------------------------------------------------------------
     def bcast(self, x: PyTree, root: int = 0) -> PyTree:
         """Root's x on every rank. Non-root ranks pass an array of the same shape."""
         root = self._rank("bcast", "root", root)
-        return self._apply("bcast", _collectives.bcast, x, elementwise=True, root=root)
+        return self._apply("bcast", _collectives.bcast_p, x, elementwise=True, root=root)
 
     def gather(self, x: PyTree, root: int = 0) -> PyTree:
         """On root, ``(size, *x.shape)`` with rank i's x in row i; other ranks get x back."""
         root = self._rank("gather", "root", root)
-        return self._apply("gather", _collectives.gather, x, root=root)
+        return self._apply("gather", _collectives.gather_p, x, root=root)
 
     def allgather(self, x: PyTree) -> PyTree:
         """``(size, *x.shape)`` on every rank, with rank i's x in row i."""
-        return self._apply("allgather", _collectives.allgather, x)
+        return self._apply("allgather", _collectives.allgather_p, x)
 
     def scatter(self, x: PyTree, root: int = 0) -> PyTree:
         """Root passes ``(size, *s)``; every rank gets its row, shape s.
@@ -361,22 +382,25 @@ class JaxComm:
         Non-root ranks pass an array of shape s (its values are not read).
         """
         root = self._rank("scatter", "root", root)
-        if self.rank == root:
-            for leaf in jax.tree.leaves(x):
-                self._leading_axis("scatter", jnp.asarray(leaf), "x on the root rank")
-        return self._apply("scatter", _collectives.scatter, x, root=root)
+        leading_axis = "x on the root rank" if self.rank == root else None
+        return self._apply(
+            "scatter", _collectives.scatter_p, x, leading_axis=leading_axis, root=root
+        )
 
     def alltoall(self, x: PyTree) -> PyTree:
         """x: ``(size, *s)``. Row i of the result is rank i's row `rank`."""
-        return self._apply("alltoall", _collectives.alltoall, x, leading_axis=True)
+        return self._apply("alltoall", _collectives.alltoall_p, x, leading_axis="x")
 
     # -- point to point -----------------------------------------------------------------
     def send(self: Self, x: PyTree, dest: int, tag: int = 0) -> Self:
         """Send x to rank dest (blocking until MPI may reuse the buffer). Returns self."""
         dest = self._rank("send", "dest", dest, MPI.PROC_NULL)
         tag = self._tag("send", "tag", tag)
-        leaves, _ = self._leaves("send", x)
-        _dispatch(_send_leaves, leaves, comm=self._comm, dest=dest, tag=tag)
+        comm, params = self._comm, {"dest": dest, "tag": tag}
+        if _eager.run_again(_p2p.send_p.eager, x, comm, params) is None:
+            leaves, _ = self._leaves("send", x)
+            _dispatch(_send_leaves, leaves, comm=comm, **params)
+            _eager.remember(_p2p.send_p.eager, x, comm, params)
         return self
 
     def recv(
@@ -394,12 +418,18 @@ class JaxComm:
         """
         source = self._rank("recv", "source", source, MPI.ANY_SOURCE, MPI.PROC_NULL)
         tag = self._tag("recv", "tag", tag, MPI.ANY_TAG)
-        leaves, tree = self._leaves("recv", x)
-        if len(leaves) > 1 and source == MPI.ANY_SOURCE:
-            raise ValueError("recv: a pytree with several arrays needs an explicit source")
-        results, status = _dispatch(_recv_leaves, leaves, comm=self._comm, source=source, tag=tag)
-        result = jax.tree.unflatten(tree, results)
-        return (result, Status(status[0], status[1])) if return_status else result
+        comm, params = self._comm, {"source": source, "tag": tag}
+        again = _eager.run_again(_p2p.recv_p.eager, x, comm, params)
+        if again is not None:
+            result, status = again
+        else:
+            leaves, tree = self._leaves("recv", x)
+            if len(leaves) > 1 and source == MPI.ANY_SOURCE:
+                raise ValueError("recv: a pytree with several arrays needs an explicit source")
+            results, status = _dispatch(_recv_leaves, leaves, comm=comm, **params)
+            _eager.remember(_p2p.recv_p.eager, x, comm, params)
+            result = jax.tree.unflatten(tree, results)
+        return (result, _status(status)) if return_status else result
 
     def sendrecv(
         self,
@@ -421,6 +451,15 @@ class JaxComm:
         dest = self._rank("sendrecv", "dest", dest, MPI.PROC_NULL)
         sendtag = self._tag("sendrecv", "sendtag", sendtag)
         recvtag = self._tag("sendrecv", "recvtag", recvtag, MPI.ANY_TAG)
+        comm = self._comm
+        like = sendbuf if recvbuf is None else recvbuf
+        if type(like) is ArrayImpl:  # one array: the eager shortcut may apply
+            params = {"shape": like.shape, "dtype": like.dtype, "source": source, "dest": dest}
+            params.update(sendtag=sendtag, recvtag=recvtag)
+            again = _eager.run_again(_p2p.sendrecv_p.eager, sendbuf, comm, params)
+            if again is not None:
+                result, status = again
+                return (result, _status(status)) if return_status else result
         send_leaves, tree = self._leaves("sendrecv", sendbuf)
         if recvbuf is None:
             recv_leaves = send_leaves
@@ -436,15 +475,17 @@ class JaxComm:
         results, status = _dispatch(
             _sendrecv_leaves,
             send_leaves,
-            comm=self._comm,
+            comm=comm,
             templates=templates,
             source=source,
             dest=dest,
             sendtag=sendtag,
             recvtag=recvtag,
         )
+        if type(like) is ArrayImpl:
+            _eager.remember(_p2p.sendrecv_p.eager, sendbuf, comm, params)
         result = jax.tree.unflatten(tree, results)
-        return (result, Status(status[0], status[1])) if return_status else result
+        return (result, _status(status)) if return_status else result
 
     # -- extension hook -----------------------------------------------------------------
     def call_kernel(

@@ -71,6 +71,36 @@ def identity(op: ReduceOp, dtype) -> np.ndarray:
     return np.array(0, dtype)
 
 
+def expected_collective(
+    name: str, rank: int, inputs: list[np.ndarray], *, root: int = 0, op: ReduceOp = ReduceOp.SUM
+) -> np.ndarray:
+    """What collective `name` gives on `rank` when rank r passes inputs[r]."""
+    size = len(inputs)
+    if name == "allreduce":
+        return expected_reduction(op, inputs)
+    if name == "reduce":
+        return expected_reduction(op, inputs) if rank == root else inputs[rank]
+    if name == "scan":
+        return expected_reduction(op, inputs[: rank + 1])
+    if name == "exscan":
+        if rank == 0:
+            return np.broadcast_to(identity(op, inputs[0].dtype), inputs[0].shape)
+        return expected_reduction(op, inputs[:rank])
+    if name == "bcast":
+        return inputs[root]
+    if name == "gather":
+        return np.stack(inputs) if rank == root else inputs[rank]
+    if name == "allgather":
+        return np.stack(inputs)
+    if name == "scatter":
+        return inputs[root][rank]
+    if name == "alltoall":
+        return np.stack([inputs[r][rank] for r in range(size)])
+    if name == "reduce_scatter":
+        return expected_reduction(op, inputs)[rank]
+    raise AssertionError(name)
+
+
 def assert_values(actual, expected) -> None:
     actual = np.asarray(actual)
     expected = np.asarray(expected)

@@ -5,9 +5,8 @@ examples and makes the same calls."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from data import COLLECTIVES, assert_values, expected_reduction, rank_data
+from data import COLLECTIVES, assert_values, expected_collective, rank_data
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -20,32 +19,8 @@ SETTINGS = settings(
     database=None,
     suppress_health_check=list(HealthCheck),
 )
-# exscan is left to test_reductions: expected() does not model its rank-0 identity.
-OPS = [op for op in COLLECTIVES if op != "exscan"]
+OPS = COLLECTIVES
 CLEAN = (ValueError, TypeError)
-
-
-def expected(name, comm, inputs, root, op):
-    rank, size = comm.rank, comm.size
-    if name == "allreduce":
-        return expected_reduction(op, inputs)
-    if name == "reduce":
-        return expected_reduction(op, inputs) if rank == root else inputs[rank]
-    if name == "scan":
-        return expected_reduction(op, inputs[: rank + 1])
-    if name == "bcast":
-        return inputs[root]
-    if name == "gather":
-        return np.stack(inputs) if rank == root else inputs[rank]
-    if name == "allgather":
-        return np.stack(inputs)
-    if name == "scatter":
-        return inputs[root][rank]
-    if name == "alltoall":
-        return np.stack([inputs[r][rank] for r in range(size)])
-    if name == "reduce_scatter":
-        return expected_reduction(op, inputs)[rank]
-    raise AssertionError(name)
 
 
 @SETTINGS
@@ -69,7 +44,7 @@ def test_random_arguments(comm, name, dtype, shape, leading, root, op, jit):
     kwargs = {}
     if name in ("reduce", "bcast", "gather", "scatter"):
         kwargs["root"] = root
-    if name in ("allreduce", "reduce", "scan", "reduce_scatter"):
+    if name in ("allreduce", "reduce", "scan", "exscan", "reduce_scatter"):
         kwargs["op"] = op
     if name == "scatter" and 0 <= root < size:
         # Only the root can see a bad leading axis; with it, the other ranks would
@@ -85,7 +60,7 @@ def test_random_arguments(comm, name, dtype, shape, leading, root, op, jit):
         # made the MPI call, so the communicator still works.
         comm.barrier()
         return
-    want = expected(name, comm, inputs, root, op)
+    want = expected_collective(name, comm.rank, inputs, root=root, op=op)
     assert_values(got, want)
 
 
