@@ -11,6 +11,10 @@ to the same C++ function the FFI handler calls, which takes their buffers throug
 the buffer protocol (waiting for inputs that XLA is still computing). Results
 are fresh arrays, never aliased with inputs. Set ``JAXCOMM_EAGER=jit`` to send
 eager calls through JAX's dispatch instead.
+
+Everything fixed by a call's signature is prepared once, as a C++ EagerCall.
+JaxComm's methods also keep a shortcut for calls on one array that repeat an
+earlier one (run_again, remember), which skips their argument handling.
 """
 
 from __future__ import annotations
@@ -100,10 +104,10 @@ class EagerOp:
         in_types = tuple((a.shape, a.dtype) for a in args)
         # Every operation with results has an input; the others never use `device`.
         device = _device(args[0].sharding) if args else None
-        return _plan(self, in_types, comm, tuple(params.items()), device)(*args)
+        return _prepared(self, in_types, comm, tuple(params.items()), device)(*args)
 
-    def plan(self, in_types, comm, params, device, first_only=False) -> cpu.EagerCall:
-        """The call on arrays of `in_types` on `device`, worked out afresh (see _plan).
+    def prepare(self, in_types, comm, params, device, first_only=False) -> cpu.EagerCall:
+        """The call on arrays of `in_types` on `device`, prepared afresh (see _prepared).
         With `first_only`, the results after the first stay NumPy arrays."""
         avals = [core.ShapedArray(shape, dtype) for shape, dtype in in_types]
         params = dict(params)
@@ -124,15 +128,15 @@ class EagerOp:
         )
 
 
-# Calls mostly repeat a signature, and working out a plan costs more than looking it up.
+# Calls mostly repeat a signature, and preparing a call costs more than looking it up.
 @functools.lru_cache(maxsize=1024)
-def _plan(op: EagerOp, in_types, comm, params, device, first_only=False) -> cpu.EagerCall:
-    return op.plan(in_types, comm, params, device, first_only)
+def _prepared(op: EagerOp, in_types, comm, params, device, first_only=False) -> cpu.EagerCall:
+    return op.prepare(in_types, comm, params, device, first_only)
 
 
 # The shortcut for JaxComm's methods: a call on one array that repeats an earlier
 # call, in everything its argument checks depend on, skips those checks and goes
-# straight to the plan. It saves JaxComm's pytree handling, its checks and
+# straight to the prepared call. It saves JaxComm's pytree handling, its checks and
 # Primitive.bind, most of a small call's cost. Its results after the first (a
 # receive's status) stay NumPy arrays: wrapping one as a jax.Array costs as
 # much as the rest of the call, and most calls discard the status.
@@ -164,5 +168,5 @@ def remember(op: EagerOp, x: Any, comm: Any, params: dict[str, Any]) -> None:
     if len(_repeatable) >= _MOST_REPEATABLE:
         _repeatable.clear()
     in_types, device = ((x.shape, x.dtype),), _device(x.sharding)
-    call = _plan(op, in_types, comm, tuple(params.items()), device, first_only=True)
+    call = _prepared(op, in_types, comm, tuple(params.items()), device, first_only=True)
     _repeatable[_signature(op, x, comm, params)] = call
