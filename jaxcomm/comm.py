@@ -454,8 +454,14 @@ class JaxComm:
         comm = self._comm
         like = sendbuf if recvbuf is None else recvbuf
         if type(like) is ArrayImpl:  # one array: the eager shortcut may apply
-            params = {"shape": like.shape, "dtype": like.dtype, "source": source, "dest": dest}
-            params.update(sendtag=sendtag, recvtag=recvtag)
+            params = {
+                "shape": like.shape,
+                "dtype": like.dtype,
+                "source": source,
+                "dest": dest,
+                "sendtag": sendtag,
+                "recvtag": recvtag,
+            }
             again = _eager.run_again(_p2p.sendrecv_p.eager, sendbuf, comm, params)
             if again is not None:
                 result, status = again
