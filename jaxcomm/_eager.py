@@ -170,3 +170,14 @@ def remember(op: EagerOp, x: Any, comm: Any, params: dict[str, Any]) -> None:
     in_types, device = ((x.shape, x.dtype),), _device(x.sharding)
     call = _prepared(op, in_types, comm, tuple(params.items()), device, first_only=True)
     _repeatable[_signature(op, x, comm, params)] = call
+
+
+def scalars(values: np.ndarray, like: jax.Array) -> list[jax.Array]:
+    """The elements of 1-d `values` as 0-d arrays on `like`'s (CPU) device."""
+    wrap = _scalar_maker(values.dtype, _device(like.sharding))
+    return [wrap(value) for value in values]
+
+
+@functools.cache
+def _scalar_maker(dtype: np.dtype, device: Any) -> Callable[[Any], jax.Array]:
+    return host_arrays(core.ShapedArray((), dtype), device)

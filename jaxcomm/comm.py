@@ -44,9 +44,12 @@ def _static_int(operation: str, name: str, value: Any) -> int:
     return int(value)
 
 
-def _status(status: Any) -> Status:
-    """A Status from a receive's (source, tag) array (NumPy on the eager shortcut)."""
-    return Status(jnp.asarray(status[0]), jnp.asarray(status[1]))
+def _status(status: Any, result: Any) -> Status:
+    """A Status from a receive's (source, tag) array, NumPy on the eager shortcut
+    (made into arrays on `result`'s device)."""
+    if isinstance(status, np.ndarray):
+        return Status(*_eager.scalars(status, result))
+    return Status(status[0], status[1])
 
 
 def _check_from_environment() -> bool:
@@ -429,7 +432,7 @@ class JaxComm:
             results, status = _dispatch(_recv_leaves, leaves, comm=comm, **params)
             _eager.remember(_p2p.recv_p.eager, x, comm, params)
             result = jax.tree.unflatten(tree, results)
-        return (result, _status(status)) if return_status else result
+        return (result, _status(status, result)) if return_status else result
 
     def sendrecv(
         self,
@@ -465,7 +468,7 @@ class JaxComm:
             again = _eager.run_again(_p2p.sendrecv_p.eager, sendbuf, comm, params)
             if again is not None:
                 result, status = again
-                return (result, _status(status)) if return_status else result
+                return (result, _status(status, result)) if return_status else result
         send_leaves, tree = self._leaves("sendrecv", sendbuf)
         if recvbuf is None:
             recv_leaves = send_leaves
@@ -491,7 +494,7 @@ class JaxComm:
         if type(like) is ArrayImpl:
             _eager.remember(_p2p.sendrecv_p.eager, sendbuf, comm, params)
         result = jax.tree.unflatten(tree, results)
-        return (result, _status(status)) if return_status else result
+        return (result, _status(status, result)) if return_status else result
 
     # -- extension hook -----------------------------------------------------------------
     def call_kernel(
