@@ -13,8 +13,10 @@ are fresh arrays, never aliased with inputs. Set ``JAXCOMM_EAGER=jit`` to send
 eager calls through JAX's dispatch instead.
 
 Everything fixed by a call's signature is prepared once, as a C++ EagerCall.
-JaxComm's methods also keep a shortcut for calls on one array that repeat an
-earlier one (run_again, remember), which skips their argument handling.
+A pytree's arrays go through a MapCall, which sends small arrays of one dtype as
+one message, like a traced call. JaxComm's methods also keep a shortcut for calls
+that repeat an earlier one (run_again, map_again), which skips their argument
+handling.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import core
 
+from jaxcomm import _fusion
 from jaxcomm._jax_internals import ArrayImpl, at_top_level, host_arrays
 from jaxcomm._native import cpu
 
@@ -106,17 +109,17 @@ class EagerOp:
         device = _device(args[0].sharding) if args else None
         return _prepared(self, in_types, comm, tuple(params.items()), device)(*args)
 
-    def prepare(self, in_types, comm, params, device, first_only=False) -> cpu.EagerCall:
+    def prepare(self, in_types, comm, params, device, wrapped=None) -> cpu.EagerCall:
         """The call on arrays of `in_types` on `device`, prepared afresh (see _prepared).
-        With `first_only`, the results after the first stay NumPy arrays."""
+        Its first `wrapped` results (default: all) are jax.Arrays, the rest NumPy arrays."""
         avals = [core.ShapedArray(shape, dtype) for shape, dtype in in_types]
         params = dict(params)
         outputs = [
             (_allocator(aval), _CODES[aval.dtype], host_arrays(aval, device))
             for aval in self._abstract_eval(*avals, comm=comm, **params)
         ]
-        if first_only:
-            outputs[1:] = [(allocate, code, None) for allocate, code, _ in outputs[1:]]
+        if wrapped is not None:
+            outputs[wrapped:] = [(allocate, code, None) for allocate, code, _ in outputs[wrapped:]]
         own = (v if isinstance(v, str) else int(v) for v in map(params.get, self._attr_names))
         return cpu.EagerCall(
             self._name,
@@ -130,22 +133,87 @@ class EagerOp:
 
 # Calls mostly repeat a signature, and preparing a call costs more than looking it up.
 @functools.lru_cache(maxsize=1024)
-def _prepared(op: EagerOp, in_types, comm, params, device, first_only=False) -> cpu.EagerCall:
-    return op.prepare(in_types, comm, params, device, first_only)
+def _prepared(op: EagerOp, in_types, comm, params, device, wrapped=None) -> cpu.EagerCall:
+    return op.prepare(in_types, comm, params, device, wrapped)
 
 
-# The shortcut for JaxComm's methods: a call on one array that repeats an earlier
-# call, in everything its argument checks depend on, skips those checks and goes
-# straight to the prepared call. It saves JaxComm's pytree handling, its checks and
+class MapCall:
+    """op on each array of a list, of fixed types on host devices, prepared once.
+    Arrays that travel together (jaxcomm._fusion) are copied into one flat NumPy
+    array and sent through op in one call; their results are pieces of its output."""
+
+    def __init__(self, op: EagerOp, in_types, devices, comm: Any, params, fuse: bool):
+        # (members, call, pieces): pieces, for a fused group, are each member's
+        # (start, stop, shape, wrap) in the call's output.
+        self._steps: list[tuple[tuple[int, ...], cpu.EagerCall, list | None]] = []
+        for members in _fusion.message_groups(in_types, fuse):
+            device = devices[members[0]]
+            if len(members) == 1 or any(devices[i] != device for i in members):
+                for i in members:  # alone, or on several CPU devices: not fused
+                    call = _prepared(op, in_types[i : i + 1], comm, params, devices[i], 1)
+                    self._steps.append(((i,), call, None))
+                continue
+            dtype, pieces, stop = in_types[members[0]][1], [], 0
+            for i in members:
+                shape = in_types[i][0]
+                start, stop = stop, stop + int(np.prod(shape))
+                pieces.append(
+                    (start, stop, shape, host_arrays(core.ShapedArray(shape, dtype), device))
+                )
+            call = _prepared(op, (((stop,), dtype),), comm, params, device, 0)
+            self._steps.append((members, call, pieces))
+
+    def __call__(self, arrays: Sequence[jax.Array]) -> list[jax.Array]:
+        results: list[Any] = [None] * len(arrays)
+        for members, call, pieces in self._steps:
+            if pieces is None:
+                results[members[0]] = call(arrays[members[0]])[0]
+                continue
+            flat = call(np.concatenate([np.asarray(arrays[i]).ravel() for i in members]))[0]
+            for i, (start, stop, shape, wrap) in zip(members, pieces, strict=True):
+                results[i] = wrap(flat[start:stop].reshape(shape))
+        return results
+
+
+def map_call(
+    op: EagerOp, arrays: Sequence[jax.Array], comm: Any, params: dict[str, Any], fuse: bool
+) -> MapCall:
+    """The prepared MapCall of op on `arrays`, which are concrete and each on one
+    CPU device (can_run)."""
+    in_types = tuple((a.shape, a.dtype) for a in arrays)
+    devices = tuple(_device(a.sharding) for a in arrays)
+    return _map_call(op, in_types, devices, comm, tuple(params.items()), fuse)
+
+
+@functools.lru_cache(maxsize=256)
+def _map_call(op, in_types, devices, comm, params, fuse) -> MapCall:
+    return MapCall(op, in_types, devices, comm, params, fuse)
+
+
+# The shortcut for JaxComm's methods: a call on one array, or on a pytree of
+# arrays, that repeats an earlier call in everything its argument checks depend on
+# skips those checks and goes straight to the prepared call (a MapCall for a
+# pytree, the same as on the full path). It saves JaxComm's pytree handling, its checks and
 # Primitive.bind, most of a small call's cost. Its results after the first (a
 # receive's status) stay NumPy arrays: wrapping one as a jax.Array costs as
 # much as the rest of the call, and most calls discard the status.
-_repeatable: dict[tuple, cpu.EagerCall] = {}
+_repeatable: dict[tuple, Any] = {}
 _MOST_REPEATABLE = 4096
 
 
 def _signature(op: EagerOp, x: jax.Array, comm: Any, params: dict[str, Any]) -> tuple:
     return (op, x.shape, x.dtype, x.sharding, comm, *params.items())
+
+
+def _tree_signature(op: EagerOp, tree: Any, leaves: list, comm: Any, params: dict) -> tuple:
+    # A PyTreeDef second, where _signature has a shape: the two never collide.
+    return (op, tree, *[(a.shape, a.dtype, a.sharding) for a in leaves], comm, *params.items())
+
+
+def _keep(signature: tuple, calls: Any) -> None:
+    if len(_repeatable) >= _MOST_REPEATABLE:
+        _repeatable.clear()
+    _repeatable[signature] = calls
 
 
 def run_again(op: EagerOp, x: Any, comm: Any, params: dict[str, Any]) -> list[jax.Array] | None:
@@ -160,16 +228,40 @@ def run_again(op: EagerOp, x: Any, comm: Any, params: dict[str, Any]) -> list[ja
     return call(x)
 
 
+def map_again(op: EagerOp, x: Any, comm: Any, params: dict[str, Any]) -> Any:
+    """op's first result on every array of pytree x now, if `remember_map` has seen
+    the same call (op, comm and params, x's structure, and each array's shape,
+    dtype and placement) and no trace is active; else None."""
+    if type(x) is ArrayImpl:
+        results = run_again(op, x, comm, params)
+        return None if results is None else results[0]
+    leaves, tree = jax.tree.flatten(x)
+    if not all(type(a) is ArrayImpl for a in leaves):
+        return None
+    call = _repeatable.get(_tree_signature(op, tree, leaves, comm, params))
+    if call is None or not at_top_level():
+        return None
+    return tree.unflatten(call(leaves))
+
+
 def remember(op: EagerOp, x: Any, comm: Any, params: dict[str, Any]) -> None:
-    """Let calls like this one, which has just passed its checks and run on the
-    direct path, take `run_again`."""
-    if type(x) is not ArrayImpl or not can_run((x,)):
-        return
-    if len(_repeatable) >= _MOST_REPEATABLE:
-        _repeatable.clear()
-    in_types, device = ((x.shape, x.dtype),), _device(x.sharding)
-    call = _prepared(op, in_types, comm, tuple(params.items()), device, first_only=True)
-    _repeatable[_signature(op, x, comm, params)] = call
+    """Let calls like this one on one array, which has just passed its checks and
+    run on the direct path, take `run_again`."""
+    if type(x) is ArrayImpl and can_run((x,)):
+        in_types, device = ((x.shape, x.dtype),), _device(x.sharding)
+        call = _prepared(op, in_types, comm, tuple(params.items()), device, 1)
+        _keep(_signature(op, x, comm, params), call)
+
+
+def remember_map(op: EagerOp, x: Any, comm: Any, params: dict[str, Any], fuse: bool) -> None:
+    """Let calls like this one, on an array or a pytree of arrays which it has just
+    sent through op on the direct path (as map_call), take `map_again`."""
+    if type(x) is ArrayImpl:
+        return remember(op, x, comm, params)
+    leaves, tree = jax.tree.flatten(x)
+    if leaves and all(type(a) is ArrayImpl for a in leaves) and can_run(leaves):
+        call = map_call(op, leaves, comm, params, fuse)
+        _keep(_tree_signature(op, tree, leaves, comm, params), call)
 
 
 def scalars(values: np.ndarray, like: jax.Array) -> list[jax.Array]:

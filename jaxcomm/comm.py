@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from jaxcomm import _collectives, _eager, _kernels, _p2p, _reductions
+from jaxcomm import _collectives, _eager, _fusion, _kernels, _p2p, _reductions
 from jaxcomm._jax_internals import ArrayImpl
 from jaxcomm._ops import ReduceOp, as_reduce_op, check_dtype, check_reduction
 from jaxcomm._primitive import CommInfo
@@ -70,36 +70,23 @@ def _jitted(body, static, leaves):
     return body(leaves, **dict(static))
 
 
-#: Leaves smaller than this many bytes travel together: one message per dtype.
-FUSE_BELOW_BYTES = 1 << 16
-
-
-def _map_leaves(leaves, *, primitive, fuse=False, **params):
+def _map_leaves(leaves, *, primitive, comm, fuse=False, **params):
     """`primitive` (an op on one array) on every leaf. With `fuse` (for element-wise
-    ops) and while tracing, small leaves of one dtype are flattened into one array
-    so that they cost one MPI call; eager direct calls cost less than concatenating
-    eagerly."""
-
-    def apply(x):
-        return primitive.bind(x, **params)[0]
-
-    if not (fuse and any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)):
-        return [apply(leaf) for leaf in leaves]
+    ops), small leaves of one dtype are flattened into one array so that they cost
+    one MPI call (jaxcomm._fusion)."""
+    if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        return _eager.map_call(primitive.eager, leaves, comm, params, fuse)(leaves)
     results = list(leaves)
-    groups: dict[Any, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        if leaf.size * leaf.dtype.itemsize < FUSE_BELOW_BYTES:
-            groups.setdefault(leaf.dtype, []).append(i)
-        else:
-            results[i] = apply(leaf)
-    for members in groups.values():  # in order of first appearance: the same on every rank
+    types = [(leaf.shape, leaf.dtype) for leaf in leaves]
+    for members in _fusion.message_groups(types, fuse):
         if len(members) == 1:
-            results[members[0]] = apply(leaves[members[0]])
+            results[members[0]] = primitive.bind(leaves[members[0]], comm=comm, **params)[0]
             continue
-        flat = apply(jnp.concatenate([jnp.ravel(leaves[i]) for i in members]))
-        offsets = np.cumsum([0] + [leaves[i].size for i in members])
-        for i, start, stop in zip(members, offsets[:-1], offsets[1:], strict=True):
-            results[i] = flat[start:stop].reshape(leaves[i].shape)
+        flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in members])
+        fused = primitive.bind(flat, comm=comm, **params)[0]
+        pieces = _fusion.split(fused, [types[i][0] for i in members])
+        for i, piece in zip(members, pieces, strict=True):
+            results[i] = piece
     return results
 
 
@@ -298,7 +285,7 @@ class JaxComm:
             )
         return leaves, tree
 
-    def _leading_axis(self, operation: str, leaf: jax.Array, what: str = "x") -> None:
+    def _leading_axis(self, operation: str, leaf: jax.Array, what: str) -> None:
         if leaf.ndim == 0 or leaf.shape[0] != self.size:
             raise ValueError(
                 f"{operation}: {what} must have a leading axis of length size={self.size}, "
@@ -319,9 +306,9 @@ class JaxComm:
         them (small leaves together, when the op is element-wise). `leading_axis`
         names the leaves that must have a leading axis of length size."""
         comm = self._comm
-        again = _eager.run_again(primitive.eager, x, comm, params)
+        again = _eager.map_again(primitive.eager, x, comm, params)
         if again is not None:
-            return again[0]
+            return again
         leaves, tree = self._leaves(operation, x, params.get("op"))
         if leading_axis is not None:
             for leaf in leaves:
@@ -329,7 +316,7 @@ class JaxComm:
         results = _dispatch(
             _map_leaves, leaves, primitive=primitive, fuse=elementwise, comm=comm, **params
         )
-        _eager.remember(primitive.eager, x, comm, params)
+        _eager.remember_map(primitive.eager, x, comm, params, elementwise)
         return jax.tree.unflatten(tree, results)
 
     # -- reductions ---------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""The eager shortcut: a JaxComm call on one concrete array that repeats an earlier
-call's signature (op, parameters, shape, dtype, device) skips the argument checks
-and goes straight to the host code. It must give the new call's values, fall back
-to the full path for anything else, and never run while a trace is active."""
+"""The eager shortcut: a JaxComm call on one concrete array, or on a pytree of them,
+that repeats an earlier call's signature (op, parameters, structure, shapes,
+dtypes, devices) skips the argument checks and goes straight to the host code. It
+must give the new call's values, fall back to the full path for anything else, and
+never run while a trace is active. Eager pytree calls send the messages a jitted
+call sends."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,7 @@ import pytest
 from data import COLLECTIVES, FLOAT, assert_values, expected_collective, rank_data
 
 from jaxcomm import JaxComm, _eager
+from jaxcomm._fusion import FUSE_BELOW_BYTES
 
 pytestmark = pytest.mark.skipif(not _eager.ENABLED, reason="JAXCOMM_EAGER=jit: no direct path")
 
@@ -44,6 +47,47 @@ def test_repeated_collective_gives_the_new_values(comm, name, full_path_calls):
         assert isinstance(got, jax.Array)
         assert_values(got, expected_collective(name, comm.rank, inputs))
     assert len(full_path_calls) == 1  # the first call only
+
+
+def collective_tree(name, rank, size, seed):
+    """A pytree for collective `name`: two small int32 arrays (fused into one message
+    by element-wise ops), a float32 one, and an int32 one too large to fuse."""
+    large = (FUSE_BELOW_BYTES // 4 + 1,)
+    if name in ("alltoall", "reduce_scatter") or (name == "scatter" and rank == 0):
+        large = (size, *large)
+    return {
+        "a": collective_input(name, rank, size, seed),
+        "b": [collective_input(name, rank, size, seed + 1).astype(np.float32)],
+        "c": (collective_input(name, rank, size, seed + 2), rank_data(rank + seed, large, "int32")),
+    }
+
+
+def expected_tree(name, rank, trees):
+    return jax.tree.map(lambda *inputs: expected_collective(name, rank, list(inputs)), *trees)
+
+
+@pytest.mark.parametrize("name", COLLECTIVES)
+def test_repeated_pytree_collective_gives_the_new_values(comm, name, full_path_calls):
+    fn = getattr(comm, name)
+    for seed in (0, 10, 20):
+        trees = [collective_tree(name, r, comm.size, seed) for r in range(comm.size)]
+        got = fn(jax.tree.map(jnp.asarray, trees[comm.rank]))
+        assert jax.tree.structure(got) == jax.tree.structure(trees[0])
+        jax.tree.map(assert_values, got, expected_tree(name, comm.rank, trees))
+    assert len(full_path_calls) == 1  # the first call only
+
+
+@pytest.mark.parametrize("name", ["allreduce", "bcast", "scan", "allgather"])
+def test_eager_and_jitted_pytree_calls_send_the_same_messages(comm, name):
+    """Even ranks call eagerly (the full path, then the shortcut), odd ranks through
+    jit: different messages on the two would mismatch or hang."""
+    fn = getattr(comm, name)
+    if comm.rank % 2 == 1:
+        fn = jax.jit(fn)
+    for seed in (0, 10):
+        trees = [collective_tree(name, r, comm.size, seed) for r in range(comm.size)]
+        got = fn(jax.tree.map(jnp.asarray, trees[comm.rank]))
+        jax.tree.map(assert_values, got, expected_tree(name, comm.rank, trees))
 
 
 def test_repeated_sendrecv_and_recv_give_new_values_and_status(comm, full_path_calls):
@@ -84,6 +128,21 @@ def test_a_changed_signature_takes_the_full_path_and_its_checks(comm, full_path_
     assert len(full_path_calls) == 5
 
 
+def test_a_changed_pytree_takes_the_full_path(comm, full_path_calls):
+    tree = {"a": jnp.ones(2), "b": jnp.ones(3, jnp.int32)}
+    comm.allreduce(tree)
+    comm.allreduce(tree)
+    got = comm.allreduce({"a": jnp.ones(2), "b": jnp.ones(4, jnp.int32)})  # a new shape
+    assert_values(got["b"], np.full(4, comm.size, np.int32))
+    got = comm.allreduce({"a": jnp.ones(2), "c": jnp.ones(3, jnp.int32)})  # a new key
+    assert_values(got["c"], np.full(3, comm.size, np.int32))
+    with pytest.raises(TypeError, match="op=SUM is not defined for dtype bool"):
+        comm.allreduce({"a": jnp.ones(2), "b": jnp.ones(3, bool)})
+    got = comm.allreduce({"a": jnp.ones(2), "b": np.ones(3, np.int32)})  # not a jax.Array
+    assert_values(got["b"], np.full(3, comm.size, np.int32))
+    assert len(full_path_calls) == 5
+
+
 def test_no_shortcut_while_tracing(comm):
     """After an eager call, the same call on a captured concrete array inside a
     trace is still staged into the program, not run once at trace time."""
@@ -98,6 +157,11 @@ def test_no_shortcut_while_tracing(comm):
     assert "jaxcomm_allreduce" in str(jax.make_jaxpr(f)())
     assert_values(jax.jit(f)(), expected)
 
+    tree = [captured, captured]
+    for _ in range(2):
+        jax.tree.map(assert_values, comm.allreduce(tree), [expected, expected])
+    assert "jaxcomm_allreduce" in str(jax.make_jaxpr(lambda: comm.allreduce(tree))())
+
 
 def test_shortcut_refuses_a_freed_communicator_and_a_deleted_array(comm):
     other = comm.dup()
@@ -111,3 +175,8 @@ def test_shortcut_refuses_a_freed_communicator_and_a_deleted_array(comm):
     y.delete()
     with pytest.raises(jax.errors.JaxRuntimeError, match="deleted"):
         comm.allreduce(y)
+    tree = {"a": jnp.ones(2), "b": jnp.ones(3)}
+    comm.allreduce(tree)
+    tree["b"].delete()
+    with pytest.raises(RuntimeError, match="deleted"):
+        comm.allreduce(tree)
