@@ -153,14 +153,13 @@ class MapCall:
                     call = _prepared(op, in_types[i : i + 1], comm, params, devices[i], 1)
                     self._steps.append(((i,), call, None))
                 continue
-            dtype, pieces, stop = in_types[members[0]][1], [], 0
-            for i in members:
-                shape = in_types[i][0]
-                start, stop = stop, stop + int(np.prod(shape))
-                pieces.append(
-                    (start, stop, shape, host_arrays(core.ShapedArray(shape, dtype), device))
-                )
-            call = _prepared(op, (((stop,), dtype),), comm, params, device, 0)
+            dtype, shapes = in_types[members[0]][1], [in_types[i][0] for i in members]
+            spans = _fusion.bounds(shapes)
+            pieces = [
+                (start, stop, shape, host_arrays(core.ShapedArray(shape, dtype), device))
+                for (start, stop), shape in zip(spans, shapes, strict=True)
+            ]
+            call = _prepared(op, (((spans[-1][1],), dtype),), comm, params, device, 0)
             self._steps.append((members, call, pieces))
 
     def __call__(self, arrays: Sequence[jax.Array]) -> list[jax.Array]:
@@ -192,11 +191,11 @@ def _map_call(op, in_types, devices, comm, params, fuse) -> MapCall:
 
 # The shortcut for JaxComm's methods: a call on one array, or on a pytree of
 # arrays, that repeats an earlier call in everything its argument checks depend on
-# skips those checks and goes straight to the prepared call (a MapCall for a
-# pytree, the same as on the full path). It saves JaxComm's pytree handling, its checks and
+# skips those checks and goes straight to the prepared call (for a pytree, the
+# MapCall of the full path). It saves JaxComm's pytree handling, its checks and
 # Primitive.bind, most of a small call's cost. Its results after the first (a
-# receive's status) stay NumPy arrays: wrapping one as a jax.Array costs as
-# much as the rest of the call, and most calls discard the status.
+# receive's status) stay NumPy arrays: wrapping one as a jax.Array costs as much
+# as the rest of the call, and most calls discard the status.
 _repeatable: dict[tuple, Any] = {}
 _MOST_REPEATABLE = 4096
 

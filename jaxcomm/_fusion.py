@@ -32,11 +32,19 @@ def message_groups(
     return alone + [tuple(members) for members in small.values()]
 
 
+def bounds(shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, int]]:
+    """Where arrays of `shapes` lie, as (start, stop), in one flat array holding them
+    in order."""
+    spans, stop = [], 0
+    for shape in shapes:
+        start, stop = stop, stop + int(np.prod(shape))
+        spans.append((start, stop))
+    return spans
+
+
 def split(flat: Any, shapes: Sequence[tuple[int, ...]]) -> list[Any]:
     """The consecutive pieces of 1-d `flat`, reshaped to `shapes`."""
-    pieces, start = [], 0
-    for shape in shapes:
-        stop = start + int(np.prod(shape))
-        pieces.append(flat[start:stop].reshape(shape))
-        start = stop
-    return pieces
+    return [
+        flat[start:stop].reshape(shape)
+        for (start, stop), shape in zip(bounds(shapes), shapes, strict=True)
+    ]

@@ -442,17 +442,16 @@ class JaxComm:
         sendtag = self._tag("sendrecv", "sendtag", sendtag)
         recvtag = self._tag("sendrecv", "recvtag", recvtag, MPI.ANY_TAG)
         comm = self._comm
+        params = {"source": source, "dest": dest, "sendtag": sendtag, "recvtag": recvtag}
         like = sendbuf if recvbuf is None else recvbuf
-        if type(like) is ArrayImpl:  # one array: the eager shortcut may apply
-            params = {
-                "shape": like.shape,
-                "dtype": like.dtype,
-                "source": source,
-                "dest": dest,
-                "sendtag": sendtag,
-                "recvtag": recvtag,
-            }
-            again = _eager.run_again(_p2p.sendrecv_p.eager, sendbuf, comm, params)
+        # One array: the eager shortcut may apply, with the template in its signature.
+        repeatable = (
+            {"shape": like.shape, "dtype": like.dtype, **params}
+            if type(like) is ArrayImpl
+            else None
+        )
+        if repeatable is not None:
+            again = _eager.run_again(_p2p.sendrecv_p.eager, sendbuf, comm, repeatable)
             if again is not None:
                 result, status = again
                 return (result, _status(status, result)) if return_status else result
@@ -469,17 +468,10 @@ class JaxComm:
             raise ValueError("sendrecv: a pytree with several arrays needs an explicit source")
         templates = tuple((r.shape, r.dtype) for r in recv_leaves)
         results, status = _dispatch(
-            _sendrecv_leaves,
-            send_leaves,
-            comm=comm,
-            templates=templates,
-            source=source,
-            dest=dest,
-            sendtag=sendtag,
-            recvtag=recvtag,
+            _sendrecv_leaves, send_leaves, comm=comm, templates=templates, **params
         )
-        if type(like) is ArrayImpl:
-            _eager.remember(_p2p.sendrecv_p.eager, sendbuf, comm, params)
+        if repeatable is not None:
+            _eager.remember(_p2p.sendrecv_p.eager, sendbuf, comm, repeatable)
         result = jax.tree.unflatten(tree, results)
         return (result, _status(status, result)) if return_status else result
 
