@@ -38,6 +38,7 @@ class Call {
   Call& operator=(const Call&) = delete;
 
   MPI_Comm comm() const { return comm_; }
+  std::string_view operation() const { return op_; }
   bool checking() const { return check_; }
 
   // A parameter that must agree across ranks (root, reduction op), for the log

@@ -1,5 +1,6 @@
-// The Python module `jaxcomm._jaxcomm_cpu`: hands the CPU handlers to
-// jax.ffi.register_ffi_target and reports which MPI library it is linked to.
+// The Python module `jaxcomm._jaxcomm_cpu`: the CPU handlers (the host functions
+// bound directly to XLA's buffers), handed to jax.ffi.register_ffi_target; the
+// eager path's direct calls; and which MPI library the module is linked to.
 #include <mpi.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -22,9 +23,10 @@
 namespace nb = nanobind;
 
 namespace jaxcomm {
-#define JAXCOMM_DECLARE(name, function, binding) XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxcomm_##name);
-JAXCOMM_OPERATIONS(JAXCOMM_DECLARE, _)
-#undef JAXCOMM_DECLARE
+#define JAXCOMM_DEFINE_CPU_HANDLER(name, function, binding) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name, host::function, binding);
+JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind())
+#undef JAXCOMM_DEFINE_CPU_HANDLER
 }  // namespace jaxcomm
 
 namespace jaxcomm {

@@ -1,6 +1,6 @@
 // jaxcomm's CUDA handlers, and the Python module `jaxcomm._jaxcomm_cuda`.
 //
-// Each handler runs the host operation of mpi_cpu.cc on GPU buffers:
+// Each handler runs the host operation (collectives.cc, p2p.cc) on GPU buffers:
 //
 // - staged (default): the inputs are copied into pinned host buffers on XLA's
 //   stream, the stream is synchronised once, MPI works on host memory, and the
@@ -30,6 +30,7 @@
 #include <mpi-ext.h>
 #endif
 
+#include "memory.h"
 #include "ops.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -226,8 +227,6 @@ class DeviceMemory final : public host::Memory {
     host::Memory::fill(pattern.data(), element, width, count);
     finish(cudaMemcpyAsync(to, pattern.data(), pattern.size(), cudaMemcpyHostToDevice, stream_));
   }
-
-  bool on_host() const override { return false; }
 
   void edit(void* data, size_t bytes, const std::function<void(void*)>& change) const override {
     std::vector<char> local(bytes);

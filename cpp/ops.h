@@ -1,13 +1,12 @@
-// jaxcomm's operations: the host-memory functions of mpi_cpu.cc, their XLA FFI
-// bindings and the one table of targets that both backends register from. The
-// CPU backend binds the functions directly; the CUDA backend (mpi_cuda.cc) binds
-// them behind staging, with XLA's CUDA stream as an extra context argument.
+// jaxcomm's operations: the host-memory functions (collectives.cc, p2p.cc,
+// check_replicated.cc), their XLA FFI bindings and the one table of targets that
+// both backends register from. The CPU backend (module_cpu.cc) binds the
+// functions directly; the CUDA backend (mpi_cuda.cc) binds them behind staging,
+// with XLA's CUDA stream as an extra context argument.
 #ifndef JAXCOMM_OPS_H_
 #define JAXCOMM_OPS_H_
 
-#include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <string_view>
 #include <utility>
 
@@ -25,37 +24,6 @@ using Buffer = ffi::AnyBuffer;
 using Result = ffi::Result<ffi::AnyBuffer>;
 using StatusBuffer = ffi::Buffer<ffi::DataType::S32, 1>;  // (source, tag)
 using Status = ffi::Result<StatusBuffer>;
-
-// Where the host functions read and write buffer contents themselves (rather than
-// handing the buffers to MPI). Host memory by default; the CUDA backend swaps in
-// device memory for a call whose device pointers go to a CUDA-aware MPI.
-class Memory {
- public:
-  virtual ~Memory() = default;
-  virtual void copy(void* to, const void* from, size_t bytes) const;
-  // `count` copies of one `width`-byte element (width 1, 2, 4, 8 or 16).
-  virtual void fill(void* to, const void* element, size_t width, int64_t count) const;
-  // Runs `change` on the buffer's contents, in host memory.
-  virtual void edit(void* data, size_t bytes, const std::function<void(void*)>& change) const;
-  // Whether buffers are in host memory, where the host functions may use scratch
-  // memory of their own.
-  virtual bool on_host() const;
-};
-
-// The memory of this thread's current call.
-const Memory& memory();
-
-// Makes `m` the memory of this thread's calls while the object lives.
-class UseMemory {
- public:
-  explicit UseMemory(const Memory& m);
-  ~UseMemory();
-  UseMemory(const UseMemory&) = delete;
-  UseMemory& operator=(const UseMemory&) = delete;
-
- private:
-  const Memory* previous_;
-};
 
 ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check, int32_t op);
 ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check, int32_t op,

@@ -121,13 +121,13 @@ def test_reduce_scatter_wrong_leading_axis(comm):
         comm.reduce_scatter(jnp.zeros((comm.size + 1, 2)))
 
 
-@pytest.mark.parametrize("count", [3, 1003, (1 << 18) + 11])  # small, and large (the ring)
+@pytest.mark.parametrize("count", [3, 1003, (1 << 18) + 11])
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MAX])
 def test_allreduce_results_agree_bit_for_bit(comm, op, count):
-    """Every rank gets the same bits: rounding, and the max of a NaN and a number
-    (which depends on the order of the operands), come out alike everywhere."""
+    """Every rank gets the same bits, rounding included. (MPI's MAX and MIN of a
+    NaN and a number depend on the order of the operands, so with NaNs the ranks
+    may disagree: docs/autodiff.md, "What every rank must agree on".)"""
     x = np.random.default_rng(comm.rank).standard_normal(count).astype(np.float32)
-    x[comm.rank % count] = np.nan
     got = np.asarray(comm.allreduce(jnp.asarray(x), op=op))
     first = np.asarray(comm.bcast(jnp.asarray(got), root=0))
     np.testing.assert_array_equal(got.view(np.uint32), first.view(np.uint32))

@@ -1,0 +1,230 @@
+// The collective handlers on host memory: each calls the MPI library's own
+// collective, so the algorithm is always the one the library has tuned for the
+// network, topology and rank count. What jaxcomm adds around it: checking mode
+// (call.h), pieces or derived datatypes beyond 2^31 - 1 elements, MPI_IN_PLACE
+// when XLA gives the output the input's buffer (a donated input), and outputs
+// that are written on every rank.
+#include <mpi.h>
+
+#include <string_view>
+
+#include "call.h"
+#include "jaxcomm/jaxcomm.h"
+#include "memory.h"
+#include "ops.h"
+#include "reduction.h"
+
+namespace jaxcomm::host {
+namespace {
+
+// Checking mode's agreement on the call (whose params include `op`), then the
+// MPI datatype and operator that reduce x.
+ffi::Error start_reduction(Call& call, const Buffer& x, int32_t op, MPI_Datatype* type,
+                           MPI_Op* mpi) {
+  if (auto err = call.agree(); err.failure()) return err;
+  return reduction_of(x, op, call.operation(), type, mpi);
+}
+
+// Checking mode's agreement on the call, then the MPI datatype of x.
+ffi::Error start(Call& call, const Buffer& x, MPI_Datatype* type) {
+  if (auto err = call.agree(); err.failure()) return err;
+  return datatype_of(x, call.operation(), type);
+}
+
+int comm_size(MPI_Comm comm) {
+  int size = 0;
+  MPI_Comm_size(comm, &size);
+  return size;
+}
+
+template <bool kExclusive>
+ffi::Error scan(Buffer x, Result out, int64_t comm_handle, bool check, int32_t op) {
+  Call call(comm_handle, check, kExclusive ? "exscan" : "scan", x.element_type(), x.dimensions());
+  call.reduce_op(op);
+  MPI_Datatype type;
+  MPI_Op mpi;
+  if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
+  MPI_Comm comm = call.comm();
+  JAXCOMM_CHECK_MPI(reduce_pieces(x.untyped_data(), out->untyped_data(), x.element_count(), type,
+                                  [&](const void* i, void* o, int n) {
+                                    return kExclusive ? MPI_Exscan(i, o, n, type, mpi, comm)
+                                                      : MPI_Scan(i, o, n, type, mpi, comm);
+                                  }),
+                    call.operation(), comm);
+  // MPI leaves exscan's rank-0 result undefined; jaxcomm's is the identity of op.
+  if (kExclusive && comm_rank(comm) == 0)
+    fill_identity(out, op);
+  else
+    normalize_logical(out, op);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+                     int32_t op) {
+  Call call(comm_handle, check, "allreduce", x.element_type(), x.dimensions());
+  call.reduce_op(op);
+  MPI_Datatype type;
+  MPI_Op mpi;
+  if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
+  MPI_Comm comm = call.comm();
+  JAXCOMM_CHECK_MPI(reduce_pieces(x.untyped_data(), out->untyped_data(), x.element_count(), type,
+                                  [&](const void* i, void* o, int n) {
+                                    return MPI_Allreduce(i, o, n, type, mpi, comm);
+                                  }),
+                    "allreduce", comm);
+  normalize_logical(out, op);
+  return ffi::Error::Success();
+}
+
+ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+                  int32_t op, int32_t root) {
+  Call call(comm_handle, check, "reduce", x.element_type(), x.dimensions());
+  call.reduce_op(op).param("root", root);
+  MPI_Datatype type;
+  MPI_Op mpi;
+  if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
+  MPI_Comm comm = call.comm();
+  const bool is_root = comm_rank(comm) == root;
+  // Non-root ranks get their input back, so the output is always written.
+  if (!is_root) copy_if_distinct(out, x);
+  JAXCOMM_CHECK_MPI(reduce_pieces(is_root ? x.untyped_data() : out->untyped_data(),
+                                  out->untyped_data(), x.element_count(), type,
+                                  [&](const void* i, void* o, int n) {
+                                    // Non-root: send our data, receive nothing.
+                                    return is_root
+                                               ? MPI_Reduce(i, o, n, type, mpi, root, comm)
+                                               : MPI_Reduce(o, nullptr, n, type, mpi, root, comm);
+                                  }),
+                    "reduce", comm);
+  if (is_root) normalize_logical(out, op);
+  return ffi::Error::Success();
+}
+
+ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+                int32_t op) {
+  return scan<false>(x, out, comm_handle, check, op);
+}
+
+ffi::Error Exscan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+                  int32_t op) {
+  return scan<true>(x, out, comm_handle, check, op);
+}
+
+ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+                         int32_t op) {
+  Call call(comm_handle, check, "reduce_scatter", x.element_type(), x.dimensions());
+  call.reduce_op(op);
+  MPI_Datatype type;
+  MPI_Op mpi;
+  if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
+  MPI_Comm comm = call.comm();
+  const int64_t block = out->element_count();
+  if (block <= kMaxCount) {
+    JAXCOMM_CHECK_MPI(MPI_Reduce_scatter_block(x.untyped_data(), out->untyped_data(),
+                                               static_cast<int>(block), type, mpi, comm),
+                      "reduce_scatter", comm);
+  } else {
+    // A block too large for an int count (a derived datatype cannot carry a
+    // reduction): one reduce per destination rank, each in int-sized pieces.
+    const size_t width = ffi::ByteWidth(x.element_type());
+    for (int root = 0, size = comm_size(comm); root < size; ++root) {
+      const char* row = bytes(x) + root * block * width;
+      JAXCOMM_CHECK_MPI(for_each_piece(block,
+                                       [&](int64_t offset, int n) {
+                                         return MPI_Reduce(row + offset * width,
+                                                           bytes(out) + offset * width, n, type,
+                                                           mpi, root, comm);
+                                       }),
+                        "reduce_scatter", comm);
+    }
+  }
+  normalize_logical(out, op);
+  return ffi::Error::Success();
+}
+
+ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+                 int32_t root) {
+  Call call(comm_handle, check, "bcast", x.element_type(), x.dimensions());
+  call.param("root", root);
+  MPI_Datatype type;
+  if (auto err = start(call, x, &type); err.failure()) return err;
+  MPI_Comm comm = call.comm();
+  if (comm_rank(comm) == root) copy_if_distinct(out, x);
+  const size_t width = ffi::ByteWidth(x.element_type());
+  JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
+                                   [&](int64_t offset, int n) {
+                                     return MPI_Bcast(bytes(out) + offset * width, n, type, root,
+                                                      comm);
+                                   }),
+                    "bcast", comm);
+  return ffi::Error::Success();
+}
+
+ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+                  int32_t root) {
+  Call call(comm_handle, check, "gather", x.element_type(), x.dimensions());
+  call.param("root", root);
+  MPI_Datatype type;
+  if (auto err = start(call, x, &type); err.failure()) return err;
+  MPI_Comm comm = call.comm();
+  Block block(x.element_count(), type);
+  const bool is_root = comm_rank(comm) == root;
+  // Non-root ranks get their input back, so the output is always written.
+  if (!is_root) copy_if_distinct(out, x);
+  JAXCOMM_CHECK_MPI(
+      MPI_Gather(x.untyped_data(), block.count(), block.type(),
+                 is_root ? out->untyped_data() : nullptr, block.count(), block.type(), root, comm),
+      "gather", comm);
+  return ffi::Error::Success();
+}
+
+ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check) {
+  Call call(comm_handle, check, "allgather", x.element_type(), x.dimensions());
+  MPI_Datatype type;
+  if (auto err = start(call, x, &type); err.failure()) return err;
+  MPI_Comm comm = call.comm();
+  Block block(x.element_count(), type);
+  JAXCOMM_CHECK_MPI(MPI_Allgather(x.untyped_data(), block.count(), block.type(),
+                                  out->untyped_data(), block.count(), block.type(), comm),
+                    "allgather", comm);
+  return ffi::Error::Success();
+}
+
+ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+                   int32_t root) {
+  Call call(comm_handle, check, "scatter", out->element_type(), out->dimensions());
+  call.param("root", root);
+  MPI_Datatype type;
+  if (auto err = start(call, x, &type); err.failure()) return err;
+  MPI_Comm comm = call.comm();
+  Block block(out->element_count(), type);
+  const bool is_root = comm_rank(comm) == root;
+  JAXCOMM_CHECK_MPI(MPI_Scatter(is_root ? x.untyped_data() : nullptr, block.count(), block.type(),
+                                out->untyped_data(), block.count(), block.type(), root, comm),
+                    "scatter", comm);
+  return ffi::Error::Success();
+}
+
+ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check) {
+  Call call(comm_handle, check, "alltoall", x.element_type(), x.dimensions());
+  MPI_Datatype type;
+  if (auto err = start(call, x, &type); err.failure()) return err;
+  MPI_Comm comm = call.comm();
+  Block block(x.element_count() / comm_size(comm), type);
+  const void* in = bytes(out) == bytes(x) ? MPI_IN_PLACE : x.untyped_data();
+  JAXCOMM_CHECK_MPI(MPI_Alltoall(in, block.count(), block.type(), out->untyped_data(),
+                                 block.count(), block.type(), comm),
+                    "alltoall", comm);
+  return ffi::Error::Success();
+}
+
+ffi::Error Barrier(Token, TokenOut, int64_t comm_handle, bool check) {
+  Call call(comm_handle, check, "barrier");
+  if (auto err = call.agree(); err.failure()) return err;
+  JAXCOMM_CHECK_MPI(MPI_Barrier(call.comm()), "barrier", call.comm());
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxcomm::host

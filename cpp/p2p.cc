@@ -1,0 +1,215 @@
+// The point-to-point handlers on host memory: send, recv and sendrecv. Each
+// posts MPI's nonblocking calls and waits for them by polling (wait_all), which
+// costs less than MPI's blocking calls for small messages. A receive from
+// MPI_PROC_NULL gives zeros, so the output is always written; the status output
+// holds the sender's rank and the tag.
+#include <mpi.h>
+
+#include <algorithm>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "call.h"
+#include "jaxcomm/jaxcomm.h"
+#include "memory.h"
+#include "ops.h"
+#include "reduction.h"
+
+namespace jaxcomm::host {
+namespace {
+
+// Waits for `n` requests by polling MPI_Testall, yielding the core between polls
+// once kPollsBeforeYield have found them unfinished, so that a rank that waits
+// long leaves the core to ranks that share it. MPICH's blocking waits yield the
+// core on every wait under MPI_THREAD_MULTIPLE, which costs more than a small
+// message itself.
+int wait_all(int n, MPI_Request* requests, MPI_Status* statuses) {
+  constexpr int kPollsBeforeYield = 1000;
+  for (int polls = 0;; ++polls) {
+    int done = 0;
+    const int code = MPI_Testall(n, requests, &done, statuses);
+    if (code == MPI_ERR_IN_STATUS) {
+      for (int i = 0; i < n; ++i)
+        if (statuses[i].MPI_ERROR != MPI_SUCCESS && statuses[i].MPI_ERROR != MPI_ERR_PENDING)
+          return statuses[i].MPI_ERROR;
+    }
+    if (code != MPI_SUCCESS || done) return code;
+    if (polls >= kPollsBeforeYield) std::this_thread::yield();
+  }
+}
+
+// Cancels a request that was posted before posting the next one failed, and waits
+// until it is cancelled (or complete): until then MPI may still write into its
+// buffer, which XLA reuses once the handler returns.
+void abandon(MPI_Request* request) {
+  MPI_Cancel(request);
+  MPI_Wait(request, MPI_STATUS_IGNORE);
+}
+
+int send(const void* data, int n, MPI_Datatype type, int dest, int tag, MPI_Comm comm) {
+  MPI_Request request;
+  MPI_Status status;
+  const int code = MPI_Isend(data, n, type, dest, tag, comm, &request);
+  return code == MPI_SUCCESS ? wait_all(1, &request, &status) : code;
+}
+
+int recv(void* data, int n, MPI_Datatype type, int source, int tag, MPI_Comm comm,
+         MPI_Status* status) {
+  MPI_Request request;
+  const int code = MPI_Irecv(data, n, type, source, tag, comm, &request);
+  return code == MPI_SUCCESS ? wait_all(1, &request, status) : code;
+}
+
+int sendrecv(const void* send_data, int send_n, MPI_Datatype send_type, int dest, int send_tag,
+             void* recv_data, int recv_n, MPI_Datatype recv_type, int source, int recv_tag,
+             MPI_Comm comm, MPI_Status* status) {
+  MPI_Request requests[2];
+  MPI_Status statuses[2];
+  int code = MPI_Irecv(recv_data, recv_n, recv_type, source, recv_tag, comm, &requests[0]);
+  if (code != MPI_SUCCESS) return code;
+  code = MPI_Isend(send_data, send_n, send_type, dest, send_tag, comm, &requests[1]);
+  if (code != MPI_SUCCESS) {
+    abandon(&requests[0]);
+    return code;
+  }
+  code = wait_all(2, requests, statuses);
+  *status = statuses[0];
+  return code;
+}
+
+// How many messages for_each_piece splits `count` elements into.
+int64_t pieces(int64_t count) { return count == 0 ? 1 : (count + kMaxCount - 1) / kMaxCount; }
+
+void write_status(Status& status, const MPI_Status& s) {
+  status->typed_data()[0] = s.MPI_SOURCE;
+  status->typed_data()[1] = s.MPI_TAG;
+}
+
+// A message shorter than the buffer is an error, not a partly written result.
+ffi::Error check_count(const MPI_Status& s, MPI_Datatype type, int expected, std::string_view op) {
+  if (s.MPI_SOURCE == MPI_PROC_NULL) return ffi::Error::Success();
+  int count = 0;
+  MPI_Get_count(&s, type, &count);
+  if (count == expected) return ffi::Error::Success();
+  return invalid_argument(op, "received " + std::to_string(count) + " elements from rank " +
+                                  std::to_string(s.MPI_SOURCE) + " but the receive buffer holds " +
+                                  std::to_string(expected) +
+                                  " (the sender's array and the template differ in size)");
+}
+
+}  // namespace
+
+ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_handle, bool check, int32_t dest,
+                int32_t tag) {
+  Call call(comm_handle, check, "send", x.element_type(), x.dimensions());
+  call.peer("dest", dest).peer("tag", tag);
+  MPI_Comm comm = call.comm();
+  MPI_Datatype type;
+  if (auto err = datatype_of(x, "send", &type); err.failure()) return err;
+  if (auto err = call.send_header(dest, tag, pieces(x.element_count())); err.failure()) return err;
+  const size_t width = ffi::ByteWidth(x.element_type());
+  JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
+                                   [&](int64_t offset, int n) {
+                                     return send(bytes(x) + offset * width, n, type, dest, tag,
+                                                 comm);
+                                   }),
+                    "send", comm);
+  return ffi::Error::Success();
+}
+
+// `like` is the template: its shape and dtype are the result's; its data is unused.
+ffi::Error Recv(Token, Buffer /*like*/, TokenOut, Result out, Status status, int64_t comm_handle,
+                bool check, int32_t source, int32_t tag) {
+  Call call(comm_handle, check, "recv", out->element_type(), out->dimensions());
+  call.peer("source", source).peer("tag", tag);
+  MPI_Comm comm = call.comm();
+  MPI_Datatype type = mpi_datatype(out->element_type());
+  if (type == MPI_DATATYPE_NULL) return invalid_argument("recv", "unsupported dtype");
+  if (auto err = call.recv_header(&source, &tag, out->element_type(), out->dimensions());
+      err.failure())
+    return err;
+  if (source == MPI_PROC_NULL) zero(out);
+  const size_t width = ffi::ByteWidth(out->element_type());
+  MPI_Status s{};
+  ffi::Error piece_error = ffi::Error::Success();
+  const int result = for_each_piece(out->element_count(), [&](int64_t offset, int n) {
+    int code = recv(bytes(out) + offset * width, n, type, source, tag, comm, &s);
+    // Later pieces come from the sender of the first.
+    if (offset == 0 && source != MPI_PROC_NULL) {
+      source = s.MPI_SOURCE;
+      tag = s.MPI_TAG;
+    }
+    if (code == MPI_SUCCESS) piece_error = check_count(s, type, n, "recv");
+    return piece_error.failure() ? MPI_ERR_OTHER : code;
+  });
+  if (piece_error.failure()) return piece_error;
+  JAXCOMM_CHECK_MPI(result, "recv", comm);
+  write_status(status, s);
+  return ffi::Error::Success();
+}
+
+ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm_handle,
+                    bool check, int32_t source, int32_t dest, int32_t sendtag, int32_t recvtag) {
+  Call call(comm_handle, check, "sendrecv", x.element_type(), x.dimensions());
+  call.peer("source", source).peer("dest", dest);
+  MPI_Comm comm = call.comm();
+  MPI_Datatype send_type, recv_type = mpi_datatype(out->element_type());
+  if (auto err = datatype_of(x, "sendrecv", &send_type); err.failure()) return err;
+  if (recv_type == MPI_DATATYPE_NULL) return invalid_argument("sendrecv", "unsupported dtype");
+  const int64_t send_count = x.element_count(), recv_count = out->element_count();
+  const size_t send_width = ffi::ByteWidth(x.element_type());
+  const size_t recv_width = ffi::ByteWidth(out->element_type());
+  bool matches = true;
+  if (auto err = call.sendrecv_header(dest, sendtag, pieces(send_count), &source, &recvtag,
+                                      out->element_type(), out->dimensions(), &matches);
+      err.failure())
+    return err;
+  if (!matches) {
+    // The peer still waits for our data: send it while draining theirs.
+    std::vector<MPI_Request> requests;
+    for_each_piece(send_count, [&](int64_t offset, int n) {
+      requests.emplace_back();
+      return MPI_Isend(bytes(x) + offset * send_width, n, send_type, dest, sendtag, comm,
+                       &requests.back());
+    });
+    ffi::Error error = call.mismatch(source, recvtag);
+    MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+    return error;
+  }
+  if (source == MPI_PROC_NULL) zero(out);
+  // Each side splits its own message into pieces of at most kMaxCount elements,
+  // as its partner splits the matching one (the counts agree, or check_count
+  // reports it). Step k sends piece k and receives piece k, where they exist: a
+  // rank does not know how its destination's other messages are split, so it
+  // sends nothing beyond its own pieces.
+  const int64_t send_pieces = pieces(send_count), recv_pieces = pieces(recv_count);
+  MPI_Status first{}, s{};
+  ffi::Error piece_error = ffi::Error::Success();
+  const int result = for_each_piece(std::max(send_count, recv_count), [&](int64_t offset, int n) {
+    const int64_t step = offset / kMaxCount;
+    const int to = step < send_pieces ? dest : MPI_PROC_NULL;
+    const int from = step < recv_pieces ? source : MPI_PROC_NULL;
+    const int sn = static_cast<int>(std::clamp<int64_t>(send_count - offset, 0, n));
+    const int rn = static_cast<int>(std::clamp<int64_t>(recv_count - offset, 0, n));
+    int code = sendrecv(bytes(x) + offset * send_width, sn, send_type, to, sendtag,
+                        bytes(out) + offset * recv_width, rn, recv_type, from, recvtag, comm, &s);
+    if (step == 0) {
+      first = s;
+      // Later pieces come from the sender of the first.
+      if (source != MPI_PROC_NULL) {
+        source = s.MPI_SOURCE;
+        recvtag = s.MPI_TAG;
+      }
+    }
+    if (code == MPI_SUCCESS) piece_error = check_count(s, recv_type, rn, "sendrecv");
+    return piece_error.failure() ? MPI_ERR_OTHER : code;
+  });
+  if (piece_error.failure()) return piece_error;
+  JAXCOMM_CHECK_MPI(result, "sendrecv", comm);
+  write_status(status, first);
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxcomm::host
