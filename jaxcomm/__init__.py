@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 import jax
+from jax.experimental import io_callback
 from mpi4py import MPI
 
 from jaxcomm import _native
@@ -52,6 +53,7 @@ __all__ = [
     "get_comm",
     "get_include",
     "has_cuda_support",
+    "has_sycl_support",
     "recv",
     "reduce",
     "reduce_scatter",
@@ -66,19 +68,30 @@ __all__ = [
 # earlier, so run later) finalises MPI; otherwise a rank can hang at exit.
 atexit.register(jax.effects_barrier)
 
-_wrapped: dict[int, JaxComm] = {}
+
+def _free_duplicate(base: MPI.Comm, keyval: int, wrapped: JaxComm) -> None:
+    # MPI runs this while `base` is being freed, a collective call, so every rank
+    # frees the duplicate with it.
+    wrapped.free()
+
+
+# The JaxComm of an mpi4py communicator is kept as an MPI attribute of that
+# communicator: MPI deletes it when the communicator is freed, so a later
+# communicator that gets the same handle never finds the old one's.
+_JAXCOMM_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free_duplicate)
 
 
 def get_comm(comm: JaxComm | MPI.Comm | None = None) -> JaxComm:
-    """The JaxComm for `comm`: itself, a cached duplicate of an mpi4py communicator,
-    or (None) the default JaxComm over COMM_WORLD."""
+    """The JaxComm for `comm`: itself, the duplicate made on first use of an mpi4py
+    communicator (freed with it), or (None) the default JaxComm over COMM_WORLD."""
     if isinstance(comm, JaxComm):
         return comm
     base = MPI.COMM_WORLD if comm is None else comm
-    key = MPI._handleof(base)
-    if key not in _wrapped:
-        _wrapped[key] = JaxComm(base)
-    return _wrapped[key]
+    wrapped = base.Get_attr(_JAXCOMM_KEYVAL)
+    if wrapped is None:
+        wrapped = JaxComm(base)
+        base.Set_attr(_JAXCOMM_KEYVAL, wrapped)
+    return wrapped
 
 
 def _module_function(name: str):
@@ -92,6 +105,46 @@ def _module_function(name: str):
     return function
 
 
+def _receiving_function(name: str):
+    """A module-level receive that also takes mpi4jax's ``status=``: an mpi4py
+    ``MPI.Status`` whose source and tag are set when the receive runs."""
+    method = getattr(JaxComm, name)
+
+    @functools.wraps(method)
+    def function(
+        *args: Any,
+        comm: JaxComm | MPI.Comm | None = None,
+        status: MPI.Status | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        receive = getattr(get_comm(comm), name)
+        if status is None:
+            return receive(*args, **kwargs)
+        if kwargs.pop("return_status", False):
+            raise TypeError(f"{name}: pass status= or return_status=True, not both")
+        result, received = receive(*args, return_status=True, **kwargs)
+        _fill_status(status, received)
+        return result
+
+    function.__doc__ = (
+        f"{method.__doc__}\n\nModule-level form of :meth:`JaxComm.{name}`. ``status``, an "
+        "``MPI.Status``, gets the message's source and tag when the receive runs (inside "
+        "jit, through an ordered ``io_callback`` when the compiled function executes)."
+    )
+    return function
+
+
+def _fill_status(status: MPI.Status, received: Status) -> None:
+    def write(source: Any, tag: Any) -> None:
+        status.Set_source(int(source))
+        status.Set_tag(int(tag))
+
+    if isinstance(received.source, jax.core.Tracer):
+        io_callback(write, None, received.source, received.tag, ordered=True)
+    else:
+        write(received.source, received.tag)
+
+
 allreduce = _module_function("allreduce")
 reduce = _module_function("reduce")
 scan = _module_function("scan")
@@ -103,8 +156,8 @@ allgather = _module_function("allgather")
 scatter = _module_function("scatter")
 alltoall = _module_function("alltoall")
 send = _module_function("send")
-recv = _module_function("recv")
-sendrecv = _module_function("sendrecv")
+recv = _receiving_function("recv")
+sendrecv = _receiving_function("sendrecv")
 barrier = _module_function("barrier")
 
 
@@ -139,6 +192,12 @@ def cuda_aware() -> bool:
     """Whether GPU buffers go to MPI directly (a CUDA-aware MPI, or
     ``JAXCOMM_CUDA_AWARE=1``) rather than through pinned host staging."""
     return _native.cuda is not None and bool(_native.cuda.cuda_aware())
+
+
+def has_sycl_support() -> bool:
+    """Always False: jaxcomm has no SYCL (Intel GPU) handlers. For mpi4jax code
+    that asks."""
+    return False
 
 
 def get_include() -> str:

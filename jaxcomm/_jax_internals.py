@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core, dispatch, effects
+from jax._src import core, dispatch, effects, sharding_impls
 from jax._src.array import ArrayImpl
 from jax._src.interpreters import mlir
 from jax._src.lib import xla_client
@@ -98,6 +98,14 @@ def lower_with_token(
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True, operand_output_aliases=shifted)
 
     def lowering(ctx: mlir.LoweringRuleContext, *operands: Any, **attrs: Any) -> Sequence[Any]:
+        if (devices := _devices(ctx)) > 1:
+            raise ValueError(
+                f"jaxcomm: {target.removeprefix('jaxcomm_')} in a computation over {devices} "
+                "devices of one process. jaxcomm makes one MPI call per process, and each "
+                "device would make its own on the same communicator. Give each process one "
+                "device (one rank per device), or combine a process's devices with JAX's own "
+                "collectives (lax.psum inside shard_map) and call jaxcomm outside shard_map."
+            )
         token = ctx.tokens_in.get(COMM_EFFECT)
         inner = ctx.replace(
             avals_in=[core.abstract_token, *ctx.avals_in],
@@ -108,6 +116,16 @@ def lower_with_token(
         return results
 
     return lowering
+
+
+def _devices(ctx: mlir.LoweringRuleContext) -> int:
+    """How many devices the computation being lowered runs on."""
+    axis_context = ctx.module_context.axis_context
+    if isinstance(axis_context, sharding_impls.ShardingContext):
+        return axis_context.num_devices
+    if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+        return axis_context.mesh.size
+    return getattr(getattr(axis_context, "axis_env", None), "nreps", 1)
 
 
 def lower_identity(ctx: mlir.LoweringRuleContext, *operands: Any, **_: Any) -> Sequence[Any]:

@@ -52,11 +52,17 @@ def run(nprocs: int, args: list[str], timeout: float, env: dict[str, str] | None
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-def rank_outputs(nprocs: int, script: str, *args: str, timeout: float = 300) -> list[str]:
+def rank_outputs(
+    nprocs: int,
+    script: str,
+    *args: str,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+) -> list[str]:
     """Run `python script args...` on nprocs ranks; each rank's stdout, in rank order
     (through rank_output.py: mpiexec may interleave ranks' output even in a line)."""
     with tempfile.TemporaryDirectory() as out:
         wrapper = str(Path(__file__).with_name("rank_output.py"))
-        result = run(nprocs, [wrapper, out, script, *args], timeout=timeout)
+        result = run(nprocs, [wrapper, out, script, *args], timeout=timeout, env=env)
         assert result.returncode == 0, result.stdout + result.stderr
         return [(Path(out) / f"rank-{r}.txt").read_text() for r in range(nprocs)]

@@ -6,7 +6,7 @@ import re
 import textwrap
 
 import pytest
-from mpirun import run
+from mpirun import rank_outputs, run
 
 TIMEOUT = 120
 
@@ -155,3 +155,31 @@ def test_works_under_thread_serialized(tmp_path):
     result = run(2, [script], TIMEOUT, env={"MPI4PY_RC_THREAD_LEVEL": "serialized"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("[5.0, 5.0, 5.0]") == 2
+
+
+def test_several_devices_per_process_are_refused(tmp_path):
+    """jaxcomm inside shard_map over a process's two CPU devices would make two MPI
+    calls per process on one communicator at once: refused before it runs. A jitted
+    call on one of the devices still works."""
+    script = program(
+        tmp_path,
+        """
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jaxcomm import JaxComm
+        comm = JaxComm()
+        assert len(jax.local_devices()) == 2
+        print("one device", jax.jit(comm.allreduce)(jnp.ones(2)).tolist())
+        mesh = jax.make_mesh((2,), ("d",))
+        body = jax.shard_map(comm.allreduce, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+        try:
+            jax.jit(body)(jax.device_put(jnp.ones(4), NamedSharding(mesh, P("d"))))
+        except ValueError as error:
+            print("refused:", error)
+    """,
+    )
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    for output in rank_outputs(2, script, timeout=TIMEOUT, env=env):
+        lines = output.splitlines()
+        assert lines[0] == "one device [2.0, 2.0]", output
+        assert lines[1].startswith("refused: jaxcomm: allreduce in a computation over 2 devices")

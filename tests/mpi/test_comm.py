@@ -92,3 +92,18 @@ def test_module_level_functions(comm):
     assert_values(jaxcomm.allreduce(x, MPI.SUM, comm=MPI.COMM_WORLD), np.full(2, total, FLOAT))
     assert_values(jaxcomm.bcast(x, 0, comm=comm), np.zeros(2, FLOAT))
     assert jaxcomm.get_comm(MPI.COMM_WORLD) is jaxcomm.get_comm(MPI.COMM_WORLD)
+
+
+def test_module_functions_follow_a_freed_communicator():
+    """jaxcomm.allreduce(x, comm=sub) after sub.Free(): a new communicator that
+    MPI gives the same handle gets its own duplicate, not the freed one's."""
+    rank = MPI.COMM_WORLD.rank
+    for _ in range(3):
+        sub = MPI.COMM_WORLD.Split(color=0, key=rank)
+        assert_values(jaxcomm.allreduce(jnp.ones(2), comm=sub), np.full(2, sub.size, FLOAT))
+        duplicate = jaxcomm.get_comm(sub)
+        sub.Free()
+        assert duplicate.mpi == MPI.COMM_NULL  # freed with it
+        alone = MPI.COMM_WORLD.Split(color=rank, key=0)  # size 1
+        assert_values(jaxcomm.allreduce(jnp.ones(2), comm=alone), np.ones(2, FLOAT))
+        alone.Free()

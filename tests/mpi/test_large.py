@@ -18,3 +18,25 @@ def test_allreduce_over_int_max_elements(comm):
     head, tail = np.asarray(total[:4]), np.asarray(total[-4:])
     assert head.tolist() == tail.tolist() == [3] * 4
     assert bool(jnp.all(total == 3))  # a fused reduction: no second 2 GiB array
+
+
+@pytest.mark.slow
+def test_sendrecv_over_int_max_elements_around_a_ring(comm):
+    """Only rank 1 sends a message of more than 2**31 - 1 elements, to rank 2: the
+    others' messages are one element, so each rank must split only its own
+    message (its partners cannot know how the others are split)."""
+    if comm.size != 3:
+        pytest.skip("run on 3 ranks only: 2 GiB on two of them")
+    counts = [1, N, 1]  # what each rank sends to the next
+    left = (comm.rank - 1) % 3
+    x = jnp.full((counts[comm.rank],), comm.rank + 1, jnp.int8)
+    like = jax.ShapeDtypeStruct((counts[left],), jnp.int8)
+    got, status = comm.sendrecv(
+        x, jnp.zeros(like.shape, like.dtype), source=left, dest=(comm.rank + 1) % 3,
+        sendtag=comm.rank, return_status=True,
+    )  # fmt: skip
+    del x
+    assert (int(status.source), int(status.tag)) == (left, left)
+    assert got.shape == (counts[left],)
+    assert np.asarray(got[-4:]).tolist() == [left + 1] * min(4, counts[left])
+    assert bool(jnp.all(got == left + 1))
