@@ -19,17 +19,10 @@ struct Settings {
   double timeout = 0;  // seconds; 0 = no watchdog
 };
 
-// Read once: the environment of the process when it makes its first MPI call.
-const Settings& settings() {
-  static const Settings s = [] {
-    Settings s;
-    const char* debug = std::getenv("JAXCOMM_DEBUG");
-    s.debug = debug && *debug && std::strcmp(debug, "0") != 0;
-    if (const char* timeout = std::getenv("JAXCOMM_TIMEOUT")) s.timeout = std::atof(timeout);
-    return s;
-  }();
-  return s;
-}
+// Set by configure() when jaxcomm is imported, before any handler is registered.
+Settings current_settings;
+
+const Settings& settings() { return current_settings; }
 
 std::atomic<uint64_t> calls{0};
 
@@ -114,6 +107,8 @@ std::string human_bytes(double n) {
 }
 
 }  // namespace
+
+void configure(bool debug, double timeout) { current_settings = {debug, timeout}; }
 
 namespace {
 constexpr char kMagic[8] = "jaxcomm";

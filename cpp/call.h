@@ -17,6 +17,10 @@
 
 namespace jaxcomm {
 
+// JAXCOMM_DEBUG and JAXCOMM_TIMEOUT (seconds; 0: no watchdog), as jaxcomm._settings
+// read them at import.
+void configure(bool debug, double timeout);
+
 // MPI operations started by handlers so far in this process.
 uint64_t call_count();
 

@@ -261,6 +261,8 @@ NB_MODULE(_jaxcomm_cpu, m) {
         "MPI_Get_library_version of the libmpi this module is linked to.");
   m.def("mpi_initialized", &initialized,
         "MPI_Initialized as seen by the libmpi this module is linked to.");
+  m.def("configure", &jaxcomm::configure, nb::arg("debug"), nb::arg("timeout"),
+        "JAXCOMM_DEBUG and JAXCOMM_TIMEOUT, read by jaxcomm._settings.");
   m.def("call_count", &jaxcomm::call_count,
         "How many times a handler has called into MPI in this process.");
   m.attr("MPI_VERSION") = MPI_VERSION;

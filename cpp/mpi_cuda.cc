@@ -16,10 +16,11 @@
 #include <cuda_runtime_api.h>
 #include <mpi.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -50,9 +51,11 @@ ffi::Error cuda_error(cudaError_t code, const char* what) {
       return cuda_error(jaxcomm_cuda_, what);                             \
   } while (0)
 
-// Does the MPI library accept device pointers? Decided once per process.
+// JAXCOMM_CUDA_AWARE as jaxcomm._settings read it (configure()); unset: ask MPI.
+std::optional<bool> forced_cuda_aware;
+
+// Does the MPI library accept device pointers?
 bool query_cuda_aware() {
-  if (const char* forced = std::getenv("JAXCOMM_CUDA_AWARE")) return std::strcmp(forced, "0") != 0;
 #if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
   return MPIX_Query_cuda_support() == 1;  // Open MPI
 #elif defined(MPIX_GPU_SUPPORT_CUDA)
@@ -63,8 +66,9 @@ bool query_cuda_aware() {
 #endif
 }
 
+// Decided once per process, at the first call.
 bool cuda_aware() {
-  static const bool aware = query_cuda_aware();
+  static const bool aware = forced_cuda_aware.value_or(query_cuda_aware());
   return aware;
 }
 
@@ -320,6 +324,9 @@ NB_MODULE(_jaxcomm_cuda, m) {
 #undef JAXCOMM_REGISTER
     return targets;
   });
+  m.def(
+      "configure", [](std::optional<bool> aware) { jaxcomm::forced_cuda_aware = aware; },
+      nb::arg("cuda_aware").none(), "JAXCOMM_CUDA_AWARE, read by jaxcomm._settings.");
   m.def("cuda_aware", &jaxcomm::cuda_aware,
         "Whether device pointers go to MPI directly (JAXCOMM_CUDA_AWARE, or the MPI's own query).");
 }

@@ -82,9 +82,12 @@ int sendrecv(const void* send_data, int send_n, MPI_Datatype send_type, int dest
 // How many messages for_each_piece splits `count` elements into.
 int64_t pieces(int64_t count) { return count == 0 ? 1 : (count + kMaxCount - 1) / kMaxCount; }
 
+// Through memory(): with a CUDA-aware MPI the status buffer is on the device.
 void write_status(Status& status, const MPI_Status& s) {
-  status->typed_data()[0] = s.MPI_SOURCE;
-  status->typed_data()[1] = s.MPI_TAG;
+  const int32_t values[2] = {s.MPI_SOURCE, s.MPI_TAG};
+  int32_t* to = status->typed_data();
+  memory().fill(to, &values[0], sizeof values[0], 1);
+  memory().fill(to + 1, &values[1], sizeof values[1], 1);
 }
 
 // A message shorter than the buffer is an error, not a partly written result.

@@ -22,7 +22,6 @@ handling.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import core
 
-from jaxcomm import _fusion
+from jaxcomm import _fusion, _settings
 from jaxcomm._jax_internals import ArrayImpl, at_top_level, host_arrays
 from jaxcomm._native import cpu
 
-ENABLED = os.environ.get("JAXCOMM_EAGER", "direct") != "jit"
+ENABLED = _settings.EAGER == "direct"
 _CODES: dict[np.dtype, int] = {jnp.dtype(name): code for name, code in cpu.dtype_codes.items()}
 _ALIGN = 64  # bytes: XLA's own alignment, and what lets host_arrays share the memory
 

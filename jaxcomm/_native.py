@@ -7,6 +7,8 @@ from pathlib import Path
 import jax
 from mpi4py import MPI  # initialises MPI and loads libmpi before our extension
 
+from jaxcomm import _settings
+
 
 class MPILibraryMismatchError(ImportError):
     """jaxcomm's extension and mpi4py use different MPI libraries."""
@@ -52,6 +54,7 @@ def _load():
             f"with thread level {MPI.Query_thread()}. Set mpi4py.rc.thread_level to "
             "'multiple' (mpi4py's default) or 'serialized' before importing mpi4py.MPI."
         )
+    cpu.configure(debug=_settings.DEBUG, timeout=_settings.TIMEOUT)
     for name, capsule in cpu.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     return cpu
@@ -63,6 +66,7 @@ def _load_cuda():
         from jaxcomm import _jaxcomm_cuda as cuda
     except ImportError:
         return None
+    cuda.configure(cuda_aware=_settings.CUDA_AWARE)
     for name, capsule in cuda.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     return cuda

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -12,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from jaxcomm import _collectives, _eager, _fusion, _kernels, _p2p, _reductions
+from jaxcomm import _collectives, _eager, _fusion, _kernels, _p2p, _reductions, _settings
 from jaxcomm._jax_internals import ArrayImpl
 from jaxcomm._ops import ReduceOp, as_reduce_op, check_dtype, check_reduction
 from jaxcomm._primitive import CommInfo
@@ -50,10 +49,6 @@ def _status(status: Any, result: Any) -> Status:
     if isinstance(status, np.ndarray):
         return Status(*_eager.scalars(status, result))
     return Status(status[0], status[1])
-
-
-def _check_from_environment() -> bool:
-    return os.environ.get("JAXCOMM_CHECK", "0").strip().lower() not in ("", "0", "false", "no")
 
 
 def _dispatch(body, leaves: list, **static: Any) -> Any:
@@ -159,7 +154,7 @@ class JaxComm:
         # instead of aborting the job.
         self._mpi.Set_errhandler(MPI.ERRORS_RETURN)
         if check is None:
-            check = comm.check if isinstance(comm, JaxComm) else _check_from_environment()
+            check = comm.check if isinstance(comm, JaxComm) else _settings.CHECK
         self._info = CommInfo(
             _signed64(MPI._handleof(self._mpi)),
             self._mpi.Get_rank(),

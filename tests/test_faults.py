@@ -183,3 +183,45 @@ def test_several_devices_per_process_are_refused(tmp_path):
         lines = output.splitlines()
         assert lines[0] == "one device [2.0, 2.0]", output
         assert lines[1].startswith("refused: jaxcomm: allreduce in a computation over 2 devices")
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "accepted"),
+    [
+        ("JAXCOMM_CHECK", "maybe", "expected 1/0, true/false, yes/no or on/off"),
+        ("JAXCOMM_DEBUG", "2", "expected 1/0, true/false, yes/no or on/off"),
+        ("JAXCOMM_CUDA_AWARE", "auto", "expected 1/0, true/false, yes/no or on/off"),
+        ("JAXCOMM_TIMEOUT", "abc", "expected a number of seconds, 0 or more"),
+        ("JAXCOMM_TIMEOUT", "-5", "expected a number of seconds, 0 or more"),
+        ("JAXCOMM_EAGER", "fast", "expected one of direct, jit"),
+    ],
+)
+def test_a_bad_environment_variable_is_an_error(name, value, accepted):
+    result = run(1, ["-c", "import jaxcomm"], TIMEOUT, env={name: value})
+    assert result.returncode != 0
+    assert f"ValueError: {name}={value!r}: {accepted}" in result.stderr, result.stderr
+
+
+def test_environment_variables_mean_what_they_say(tmp_path):
+    script = program(
+        tmp_path,
+        """
+        import jax.numpy as jnp
+        from jaxcomm import JaxComm, _settings
+        comm = JaxComm()
+        comm.allreduce(jnp.ones(2))
+        print(comm.check, _settings.DEBUG, _settings.CUDA_AWARE, _settings.TIMEOUT,
+              _settings.EAGER)
+    """,
+    )
+    env = {
+        "JAXCOMM_CHECK": "off",
+        "JAXCOMM_DEBUG": "FALSE",
+        "JAXCOMM_CUDA_AWARE": "No",
+        "JAXCOMM_TIMEOUT": " 2.5 ",
+        "JAXCOMM_EAGER": "JIT",
+    }
+    result = run(1, [script], TIMEOUT, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False", "False", "2.5", "jit"]
+    assert "jaxcomm[" not in result.stderr  # no debug log
