@@ -260,8 +260,8 @@ def jax_case(op: str, count: int, call: Callable, *, jit: bool, comm: MPI.Intrac
         def run(iters):
             # The difference from a short execution leaves out what each execution
             # costs once: dispatch, and first touches of the buffers XLA allocates
-            # afresh for every execution (milliseconds at 16 MiB; see
-            # docs/performance.md). The shortest of three short executions, so
+            # afresh for every execution (milliseconds at 16 MiB; docs/performance.md,
+            # "Costs to know"). The shortest of three short executions, so
             # that noise errs towards a longer time per call.
             pairs = max(1, iters // 2)
             once = min(timed(1) for _ in range(3))

@@ -25,7 +25,7 @@ from pathlib import Path
 # Every backend communicates from memory of the same kind. NumPy asks the kernel
 # for transparent huge pages on its large arrays and XLA does not; where THP is
 # "madvise" (the usual default), that alone made jaxcomm's bcast 1.5-2x C at
-# 4-16 MiB (docs/performance.md, "Memory pages"). Set before NumPy is imported,
+# 4-16 MiB on the development machine. Set before NumPy is imported,
 # which reads it then.
 os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")
 
@@ -228,15 +228,18 @@ def plot(records: list[dict], path: Path) -> None:
     cols = min(4, len(ops))
     rows = math.ceil(len(ops) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    backends = list(dict.fromkeys(r["backend"] for r in records))
+    # One colour per backend in every panel, also where a backend has no op.
+    colours = dict(zip(backends, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     for ax, op in zip(axes.flat, ops, strict=False):
-        for name in dict.fromkeys(r["backend"] for r in records):
+        for name in backends:
             points = sorted(
                 (r["bytes"], r["median_us"])
                 for r in records
                 if r["op"] == op and r["backend"] == name
             )
             if points:
-                ax.loglog(*zip(*points, strict=True), marker=".", label=name)
+                ax.loglog(*zip(*points, strict=True), marker=".", label=name, color=colours[name])
         ax.set_title(op)
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("time per call (us)")

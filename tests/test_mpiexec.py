@@ -1,14 +1,28 @@
-"""Runs the per-rank suite in tests/mpi under mpiexec with 1 to 4 ranks."""
+"""Runs the per-rank suite in tests/mpi under mpiexec: the whole suite on 1 to 3
+ranks, every collective at every size on 4 to 9 ranks, and the configurations
+that only CI's first environment needs (marked `matrix`): eager calls through
+JAX's dispatch, messages over 2^31 - 1 elements, and MPICH's traffic through its
+network module."""
 
 import importlib.util
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
-from mpirun import run
+from mpirun import mpiexec, run
 
 HERE = Path(__file__).parent
+
+# MPICH sends every message, even between ranks of one machine, through
+# libfabric's TCP provider on loopback: the code path of ranks on different nodes.
+NETWORK = {
+    "MPIR_CVAR_NOLOCAL": "1",
+    "MPIR_CVAR_CH4_NETMOD": "ofi",
+    "FI_PROVIDER": "tcp",
+    "FI_TCP_IFACE": "lo",
+}
 
 
 def run_suite(nprocs: int, tests: str, marks: str, env: dict[str, str] | None = None) -> None:
@@ -27,19 +41,40 @@ def run_suite(nprocs: int, tests: str, marks: str, env: dict[str, str] | None = 
     assert not re.search(r"\d+ (failed|error)", result.stdout), result.stdout[-5000:]
 
 
-@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+@pytest.mark.parametrize("nprocs", [1, 2, 3])
 def test_mpi_suite(nprocs):
     run_suite(nprocs, str(HERE / "mpi"), "not slow")
 
 
+@pytest.mark.parametrize("nprocs", [4, 5, 6, 7, 8, 9])
+def test_collectives_on_more_ranks(nprocs):
+    # Odd counts and non-powers of two, where MPI libraries pick other algorithms.
+    run_suite(nprocs, str(HERE / "mpi" / "test_sizes.py"), "not slow")
+
+
+@pytest.mark.matrix
 def test_mpi_suite_eager_through_jax():
     # JAXCOMM_EAGER=jit sends eager calls through JAX's dispatch, not the direct path.
     run_suite(2, str(HERE / "mpi"), "not slow", env={"JAXCOMM_EAGER": "jit"})
 
 
-def test_messages_over_int_max_elements():
-    # 2 GiB per rank (int8), about 4.5 GiB peak each: run once, on 2 ranks.
-    run_suite(2, str(HERE / "mpi" / "test_large.py"), "slow")
+@pytest.mark.matrix
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_messages_over_int_max_elements(nprocs):
+    # 2 GiB (int8) on each of two ranks, about 4.5 GiB peak each: each test runs
+    # on one rank count only.
+    run_suite(nprocs, str(HERE / "mpi" / "test_large.py"), "slow")
+
+
+def is_mpich() -> bool:
+    version = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout
+    return "HYDRA" in version
+
+
+@pytest.mark.matrix
+@pytest.mark.skipif(not is_mpich(), reason="MPICH's network module is MPICH's")
+def test_mpi_suite_over_the_network_module():
+    run_suite(3, str(HERE / "mpi"), "not slow", env=NETWORK)
 
 
 def has_cuda_module() -> bool:
