@@ -7,6 +7,7 @@
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 namespace jaxcomm {
@@ -106,9 +107,38 @@ std::string human_bytes(double n) {
   return text;
 }
 
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<int64_t, MPI_Comm> comms;
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+MPI_Comm comm_of(int64_t key) {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  auto found = r.comms.find(key);
+  return found == r.comms.end() ? MPI_COMM_NULL : found->second;
+}
+
 }  // namespace
 
 void configure(bool debug, double timeout) { current_settings = {debug, timeout}; }
+
+void register_comm(int64_t key, int64_t handle) {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  r.comms[key] = comm_from_handle(handle);
+}
+
+void unregister_comm(int64_t key) {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  r.comms.erase(key);
+}
 
 namespace {
 constexpr char kMagic[8] = "jaxcomm";
@@ -138,8 +168,8 @@ std::string describe_array(ffi::DataType dtype, ffi::Span<const int64_t> dims) {
   return text + ']';
 }
 
-Call::Call(int64_t comm_handle, bool check, std::string_view op)
-    : comm_(comm_from_handle(comm_handle)), check_(check), op_(op) {
+Call::Call(int64_t comm_key, bool check, std::string_view op)
+    : comm_(comm_of(comm_key)), check_(check), op_(op) {
   calls.fetch_add(1, std::memory_order_relaxed);
   const Settings& s = settings();
   if (s.debug) start_ = Clock::now();
@@ -153,9 +183,9 @@ Call::Call(int64_t comm_handle, bool check, std::string_view op)
   }
 }
 
-Call::Call(int64_t comm_handle, bool check, std::string_view op, ffi::DataType dtype,
+Call::Call(int64_t comm_key, bool check, std::string_view op, ffi::DataType dtype,
            ffi::Span<const int64_t> dims)
-    : Call(comm_handle, check, op) {
+    : Call(comm_key, check, op) {
   has_array_ = true;
   dtype_ = dtype;
   dims_ = dims;
@@ -213,7 +243,8 @@ Call::~Call() {
   }
   if (s.debug) {
     const double us = std::chrono::duration<double, std::micro>(Clock::now() - start_).count();
-    std::string line = "jaxcomm[rank " + std::to_string(comm_rank(comm_)) + "] " + description();
+    const int rank = comm_ == MPI_COMM_NULL ? world_rank() : comm_rank(comm_);
+    std::string line = "jaxcomm[rank " + std::to_string(rank) + "] " + description();
     if (!peers_.empty()) line += " " + peers_.substr(2);
     int64_t elements = 1;
     for (int64_t d : dims_) elements *= d;
@@ -226,7 +257,16 @@ Call::~Call() {
   }
 }
 
+ffi::Error Call::live() const {
+  if (comm_ != MPI_COMM_NULL) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    "jaxcomm: " + std::string(op_) +
+                        " on a communicator that has been freed (a function compiled with a "
+                        "JaxComm was called after its free())");
+}
+
 ffi::Error Call::agree() {
+  if (auto err = live(); err.failure()) return err;
   if (!check_) return ffi::Error::Success();
   const std::string mine = description();
   const uint64_t h = fnv1a(mine);
@@ -275,6 +315,7 @@ ffi::Error Call::check_header(const MPI_Status& status) const {
 }
 
 ffi::Error Call::send_header(int dest, int tag, int64_t pieces) {
+  if (auto err = live(); err.failure()) return err;
   if (!check_ || dest == MPI_PROC_NULL) return ffi::Error::Success();
   MessageHeader h = make_header(pieces);
   JAXCOMM_CHECK_MPI(MPI_Send(&h, sizeof h, MPI_BYTE, dest, tag, comm_), op_, comm_);
@@ -310,6 +351,7 @@ bool Call::header_matches(ffi::DataType dtype, ffi::Span<const int64_t> dims) {
 
 ffi::Error Call::recv_header(int* source, int* tag, ffi::DataType dtype,
                              ffi::Span<const int64_t> dims) {
+  if (auto err = live(); err.failure()) return err;
   if (!check_ || *source == MPI_PROC_NULL) return ffi::Error::Success();
   MPI_Status status;
   JAXCOMM_CHECK_MPI(MPI_Recv(&incoming_, sizeof incoming_, MPI_BYTE, *source, *tag, comm_, &status),
@@ -324,6 +366,7 @@ ffi::Error Call::sendrecv_header(int dest, int sendtag, int64_t send_pieces, int
                                  int* recvtag, ffi::DataType dtype, ffi::Span<const int64_t> dims,
                                  bool* matches) {
   *matches = true;
+  if (auto err = live(); err.failure()) return err;
   if (!check_) return ffi::Error::Success();
   MessageHeader out = make_header(send_pieces);
   MPI_Status status;

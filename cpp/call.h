@@ -21,6 +21,12 @@ namespace jaxcomm {
 // read them at import.
 void configure(bool debug, double timeout);
 
+// The communicators that jaxcomm's operations may use, by key. Compiled code
+// holds a key, not the MPI handle: a freed communicator's key is gone, and MPI
+// may hand its handle to the next communicator made. Keys are never reused.
+void register_comm(int64_t key, int64_t handle);
+void unregister_comm(int64_t key);
+
 // MPI operations started by handlers so far in this process.
 uint64_t call_count();
 
@@ -33,10 +39,11 @@ std::string describe_array(ffi::DataType dtype, ffi::Span<const int64_t> dims);
 // One operation, from its handler's entry to its return.
 class Call {
  public:
-  // `array` describes the op's data (its input, or for scatter and recv its output).
-  Call(int64_t comm_handle, bool check, std::string_view op, ffi::DataType dtype,
+  // `comm_key` is the communicator's key (register_comm). `array` describes the
+  // op's data (its input, or for scatter and recv its output).
+  Call(int64_t comm_key, bool check, std::string_view op, ffi::DataType dtype,
        ffi::Span<const int64_t> dims);
-  Call(int64_t comm_handle, bool check, std::string_view op);  // no data: barrier
+  Call(int64_t comm_key, bool check, std::string_view op);  // no data: barrier
   ~Call();
   Call(const Call&) = delete;
   Call& operator=(const Call&) = delete;
@@ -51,6 +58,11 @@ class Call {
   Call& reduce_op(int32_t op);
   // A peer of a point-to-point call: for the log only.
   Call& peer(std::string_view name, int64_t value);
+
+  // An error if the communicator has been freed (its key is not registered): a
+  // function compiled with it was called after JaxComm.free(). agree() and the
+  // header functions below start with it.
+  ffi::Error live() const;
 
   // Checking mode, collectives: every rank's fingerprint of this call must match;
   // if not, each rank gets the same error naming two ranks that differ.

@@ -38,8 +38,8 @@ int comm_size(MPI_Comm comm) {
 }
 
 template <bool kExclusive>
-ffi::Error scan(Buffer x, Result out, int64_t comm_handle, bool check, int32_t op) {
-  Call call(comm_handle, check, kExclusive ? "exscan" : "scan", x.element_type(), x.dimensions());
+ffi::Error scan(Buffer x, Result out, int64_t comm_key, bool check, int32_t op) {
+  Call call(comm_key, check, kExclusive ? "exscan" : "scan", x.element_type(), x.dimensions());
   call.reduce_op(op);
   MPI_Datatype type;
   MPI_Op mpi;
@@ -61,9 +61,9 @@ ffi::Error scan(Buffer x, Result out, int64_t comm_handle, bool check, int32_t o
 
 }  // namespace
 
-ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                      int32_t op) {
-  Call call(comm_handle, check, "allreduce", x.element_type(), x.dimensions());
+  Call call(comm_key, check, "allreduce", x.element_type(), x.dimensions());
   call.reduce_op(op);
   MPI_Datatype type;
   MPI_Op mpi;
@@ -78,9 +78,9 @@ ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle,
   return ffi::Error::Success();
 }
 
-ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
-                  int32_t op, int32_t root) {
-  Call call(comm_handle, check, "reduce", x.element_type(), x.dimensions());
+ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check, int32_t op,
+                  int32_t root) {
+  Call call(comm_key, check, "reduce", x.element_type(), x.dimensions());
   call.reduce_op(op).param("root", root);
   MPI_Datatype type;
   MPI_Op mpi;
@@ -102,19 +102,17 @@ ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bo
   return ffi::Error::Success();
 }
 
-ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
-                int32_t op) {
-  return scan<false>(x, out, comm_handle, check, op);
+ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check, int32_t op) {
+  return scan<false>(x, out, comm_key, check, op);
 }
 
-ffi::Error Exscan(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
-                  int32_t op) {
-  return scan<true>(x, out, comm_handle, check, op);
+ffi::Error Exscan(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check, int32_t op) {
+  return scan<true>(x, out, comm_key, check, op);
 }
 
-ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                          int32_t op) {
-  Call call(comm_handle, check, "reduce_scatter", x.element_type(), x.dimensions());
+  Call call(comm_key, check, "reduce_scatter", x.element_type(), x.dimensions());
   call.reduce_op(op);
   MPI_Datatype type;
   MPI_Op mpi;
@@ -144,9 +142,9 @@ ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_han
   return ffi::Error::Success();
 }
 
-ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                  int32_t root) {
-  Call call(comm_handle, check, "bcast", x.element_type(), x.dimensions());
+  Call call(comm_key, check, "bcast", x.element_type(), x.dimensions());
   call.param("root", root);
   MPI_Datatype type;
   if (auto err = start(call, x, &type); err.failure()) return err;
@@ -162,9 +160,9 @@ ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, boo
   return ffi::Error::Success();
 }
 
-ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                   int32_t root) {
-  Call call(comm_handle, check, "gather", x.element_type(), x.dimensions());
+  Call call(comm_key, check, "gather", x.element_type(), x.dimensions());
   call.param("root", root);
   MPI_Datatype type;
   if (auto err = start(call, x, &type); err.failure()) return err;
@@ -180,8 +178,8 @@ ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bo
   return ffi::Error::Success();
 }
 
-ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check) {
-  Call call(comm_handle, check, "allgather", x.element_type(), x.dimensions());
+ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check) {
+  Call call(comm_key, check, "allgather", x.element_type(), x.dimensions());
   MPI_Datatype type;
   if (auto err = start(call, x, &type); err.failure()) return err;
   MPI_Comm comm = call.comm();
@@ -192,9 +190,9 @@ ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_handle,
   return ffi::Error::Success();
 }
 
-ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check,
+ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                    int32_t root) {
-  Call call(comm_handle, check, "scatter", out->element_type(), out->dimensions());
+  Call call(comm_key, check, "scatter", out->element_type(), out->dimensions());
   call.param("root", root);
   MPI_Datatype type;
   if (auto err = start(call, x, &type); err.failure()) return err;
@@ -207,8 +205,8 @@ ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, b
   return ffi::Error::Success();
 }
 
-ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, bool check) {
-  Call call(comm_handle, check, "alltoall", x.element_type(), x.dimensions());
+ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check) {
+  Call call(comm_key, check, "alltoall", x.element_type(), x.dimensions());
   MPI_Datatype type;
   if (auto err = start(call, x, &type); err.failure()) return err;
   MPI_Comm comm = call.comm();
@@ -220,8 +218,8 @@ ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_handle, 
   return ffi::Error::Success();
 }
 
-ffi::Error Barrier(Token, TokenOut, int64_t comm_handle, bool check) {
-  Call call(comm_handle, check, "barrier");
+ffi::Error Barrier(Token, TokenOut, int64_t comm_key, bool check) {
+  Call call(comm_key, check, "barrier");
   if (auto err = call.agree(); err.failure()) return err;
   JAXCOMM_CHECK_MPI(MPI_Barrier(call.comm()), "barrier", call.comm());
   return ffi::Error::Success();

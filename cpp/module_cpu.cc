@@ -263,6 +263,10 @@ NB_MODULE(_jaxcomm_cpu, m) {
         "MPI_Initialized as seen by the libmpi this module is linked to.");
   m.def("configure", &jaxcomm::configure, nb::arg("debug"), nb::arg("timeout"),
         "JAXCOMM_DEBUG and JAXCOMM_TIMEOUT, read by jaxcomm._settings.");
+  m.def("register_comm", &jaxcomm::register_comm, nb::arg("key"), nb::arg("handle"),
+        "Let operations compiled with `key` use the MPI communicator `handle`.");
+  m.def("unregister_comm", &jaxcomm::unregister_comm, nb::arg("key"),
+        "Operations compiled with `key` fail from now on (the communicator is freed).");
   m.def("call_count", &jaxcomm::call_count,
         "How many times a handler has called into MPI in this process.");
   m.attr("MPI_VERSION") = MPI_VERSION;

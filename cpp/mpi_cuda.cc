@@ -31,6 +31,7 @@
 #include <mpi-ext.h>
 #endif
 
+#include "call.h"
 #include "memory.h"
 #include "ops.h"
 #include "xla/ffi/api/ffi.h"
@@ -324,9 +325,18 @@ NB_MODULE(_jaxcomm_cuda, m) {
 #undef JAXCOMM_REGISTER
     return targets;
   });
+  // This module has its own copy of call.cc's state: jaxcomm._native configures
+  // both modules and registers every communicator with both.
   m.def(
-      "configure", [](std::optional<bool> aware) { jaxcomm::forced_cuda_aware = aware; },
-      nb::arg("cuda_aware").none(), "JAXCOMM_CUDA_AWARE, read by jaxcomm._settings.");
+      "configure",
+      [](bool debug, double timeout, std::optional<bool> aware) {
+        jaxcomm::configure(debug, timeout);
+        jaxcomm::forced_cuda_aware = aware;
+      },
+      nb::arg("debug"), nb::arg("timeout"), nb::arg("cuda_aware").none(),
+      "JAXCOMM_DEBUG, JAXCOMM_TIMEOUT and JAXCOMM_CUDA_AWARE, read by jaxcomm._settings.");
+  m.def("register_comm", &jaxcomm::register_comm, nb::arg("key"), nb::arg("handle"));
+  m.def("unregister_comm", &jaxcomm::unregister_comm, nb::arg("key"));
   m.def("cuda_aware", &jaxcomm::cuda_aware,
         "Whether device pointers go to MPI directly (JAXCOMM_CUDA_AWARE, or the MPI's own query).");
 }

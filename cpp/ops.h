@@ -49,8 +49,8 @@ ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm, 
 }  // namespace host
 
 // Bindings start after the backend's context arguments `base` (none on CPU, the
-// stream on CUDA); every op's buffers are followed by its communicator "comm" and
-// its checking-mode flag "check".
+// stream on CUDA); every op's buffers are followed by its communicator's key
+// "comm" (call.h, register_comm) and its checking-mode flag "check".
 template <typename Binding>
 auto with_comm(Binding&& binding) {
   return std::forward<Binding>(binding).template Attr<int64_t>("comm").template Attr<bool>("check");

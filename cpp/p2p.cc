@@ -104,9 +104,9 @@ ffi::Error check_count(const MPI_Status& s, MPI_Datatype type, int expected, std
 
 }  // namespace
 
-ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_handle, bool check, int32_t dest,
+ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_key, bool check, int32_t dest,
                 int32_t tag) {
-  Call call(comm_handle, check, "send", x.element_type(), x.dimensions());
+  Call call(comm_key, check, "send", x.element_type(), x.dimensions());
   call.peer("dest", dest).peer("tag", tag);
   MPI_Comm comm = call.comm();
   MPI_Datatype type;
@@ -123,9 +123,9 @@ ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_handle, bool check, int3
 }
 
 // `like` is the template: its shape and dtype are the result's; its data is unused.
-ffi::Error Recv(Token, Buffer /*like*/, TokenOut, Result out, Status status, int64_t comm_handle,
+ffi::Error Recv(Token, Buffer /*like*/, TokenOut, Result out, Status status, int64_t comm_key,
                 bool check, int32_t source, int32_t tag) {
-  Call call(comm_handle, check, "recv", out->element_type(), out->dimensions());
+  Call call(comm_key, check, "recv", out->element_type(), out->dimensions());
   call.peer("source", source).peer("tag", tag);
   MPI_Comm comm = call.comm();
   MPI_Datatype type = mpi_datatype(out->element_type());
@@ -153,9 +153,9 @@ ffi::Error Recv(Token, Buffer /*like*/, TokenOut, Result out, Status status, int
   return ffi::Error::Success();
 }
 
-ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm_handle,
+ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm_key,
                     bool check, int32_t source, int32_t dest, int32_t sendtag, int32_t recvtag) {
-  Call call(comm_handle, check, "sendrecv", x.element_type(), x.dimensions());
+  Call call(comm_key, check, "sendrecv", x.element_type(), x.dimensions());
   call.peer("source", source).peer("dest", dest);
   MPI_Comm comm = call.comm();
   MPI_Datatype send_type, recv_type = mpi_datatype(out->element_type());

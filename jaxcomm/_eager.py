@@ -124,7 +124,7 @@ class EagerOp:
             self._name,
             [_CODES[dtype] for _, dtype in in_types],
             outputs,
-            (comm.handle, comm.check, *own),
+            (comm.key, comm.check, *own),
             before=jax.effects_barrier,
             fail=_fail,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import jax
@@ -66,7 +67,9 @@ def _load_cuda():
         from jaxcomm import _jaxcomm_cuda as cuda
     except ImportError:
         return None
-    cuda.configure(cuda_aware=_settings.CUDA_AWARE)
+    cuda.configure(
+        debug=_settings.DEBUG, timeout=_settings.TIMEOUT, cuda_aware=_settings.CUDA_AWARE
+    )
     for name, capsule in cuda.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     return cuda
@@ -74,5 +77,23 @@ def _load_cuda():
 
 cpu = _load()
 cuda = _load_cuda()
+_modules = (cpu,) if cuda is None else (cpu, cuda)
+_keys = itertools.count(1)
+
+
+def register_comm(handle: int) -> int:
+    """A new key under which compiled operations reach the communicator `handle`."""
+    key = next(_keys)
+    for module in _modules:
+        module.register_comm(key, handle)
+    return key
+
+
+def unregister_comm(key: int) -> None:
+    """Operations compiled with `key` fail cleanly from now on (freed communicator)."""
+    for module in _modules:
+        module.unregister_comm(key)
+
+
 #: The platforms jaxcomm's operations lower to.
 PLATFORMS = ("cpu", "cuda") if cuda is not None else ("cpu",)

@@ -31,7 +31,8 @@ from jaxcomm._native import PLATFORMS
 class CommInfo(NamedTuple):
     """What a primitive needs to know about its communicator (static, hashable)."""
 
-    handle: int  # mpi4py's integer handle of the MPI_Comm
+    key: int  # the communicator's key in the handlers' registry (_native.register_comm)
+    handle: int  # mpi4py's integer handle of the MPI_Comm, for user kernels
     rank: int
     size: int
     check: bool = False  # checking mode: verify cross-rank assumptions at run time
@@ -90,7 +91,7 @@ def comm_primitive(
     def lowering(ctx: mlir.LoweringRuleContext, *operands: Any, comm: CommInfo, **params: Any):
         alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases else None
         rule = lower_with_token(f"jaxcomm_{name}", aliases=alias)
-        ffi_attrs: dict[str, Any] = {"comm": np.int64(comm.handle), "check": np.bool_(comm.check)}
+        ffi_attrs: dict[str, Any] = {"comm": np.int64(comm.key), "check": np.bool_(comm.check)}
         for key in attrs:
             value = params[key]
             ffi_attrs[key] = value if isinstance(value, str) else np.int32(value)

@@ -11,7 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from jaxcomm import _collectives, _eager, _fusion, _kernels, _p2p, _reductions, _settings
+from jaxcomm import (
+    _collectives,
+    _eager,
+    _fusion,
+    _kernels,
+    _native,
+    _p2p,
+    _reductions,
+    _settings,
+)
 from jaxcomm._jax_internals import ArrayImpl
 from jaxcomm._ops import ReduceOp, as_reduce_op, check_dtype, check_reduction
 from jaxcomm._primitive import CommInfo
@@ -155,8 +164,10 @@ class JaxComm:
         self._mpi.Set_errhandler(MPI.ERRORS_RETURN)
         if check is None:
             check = comm.check if isinstance(comm, JaxComm) else _settings.CHECK
+        handle = _signed64(MPI._handleof(self._mpi))
         self._info = CommInfo(
-            _signed64(MPI._handleof(self._mpi)),
+            _native.register_comm(handle),
+            handle,
             self._mpi.Get_rank(),
             self._mpi.Get_size(),
             bool(check),
@@ -226,6 +237,7 @@ class JaxComm:
         """Free the MPI communicator (collective). The JaxComm is unusable after."""
         jax.effects_barrier()
         if self._mpi != MPI.COMM_NULL:
+            _native.unregister_comm(self._info.key)
             self._mpi.Free()
 
     def __enter__(self: Self) -> Self:

@@ -107,3 +107,19 @@ def test_module_functions_follow_a_freed_communicator():
         alone = MPI.COMM_WORLD.Split(color=rank, key=0)  # size 1
         assert_values(jaxcomm.allreduce(jnp.ones(2), comm=alone), np.ones(2, FLOAT))
         alone.Free()
+
+
+def test_a_compiled_call_after_free_raises_instead_of_using_a_reused_handle():
+    """A function compiled with a JaxComm, called after its free(): MPI may have
+    given the freed handle to a new communicator (of another size), which the
+    compiled call must not use."""
+    c1 = JaxComm(MPI.COMM_SELF)
+    f = jax.jit(lambda x: c1.allreduce(x))
+    assert_values(f(jnp.ones(3)), np.ones(3, FLOAT))
+    c1.free()
+    reuser = JaxComm(MPI.COMM_WORLD)  # may get c1's handle
+    for call in (lambda: f(jnp.ones(3)), lambda: c1.allreduce(jnp.ones(3))):
+        with pytest.raises(Exception, match="freed"):
+            jax.block_until_ready(call())
+    assert_values(reuser.allreduce(jnp.ones(2)), np.full(2, reuser.size, FLOAT))
+    reuser.free()
