@@ -19,7 +19,6 @@
 #include <nanobind/stl/optional.h>
 
 #include <algorithm>
-#include <cstring>
 #include <optional>
 #include <string>
 #include <string_view>
