@@ -18,6 +18,7 @@ import atexit
 import functools
 import os
 import sys
+import time
 from typing import Any
 
 import jax
@@ -32,6 +33,10 @@ from jaxcomm.comm import JaxComm, Status
 from jaxcomm.topology import CartComm
 
 __version__ = "0.1.0"
+
+# Seconds abort_on_error waits before MPI_Abort: enough for mpiexec to read a
+# traceback from the pipe on a loaded node, and nothing next to a job ending.
+_ABORT_GRACE_S = 0.5
 
 __all__ = [
     "DTYPES",
@@ -178,6 +183,9 @@ def abort_on_error(comm: MPI.Comm | JaxComm | None = None, exit_code: int = 1) -
             f"jaxcomm: uncaught exception on rank {MPI.COMM_WORLD.rank}; aborting the job\n"
         )
         sys.stderr.flush()
+        # mpiexec forwards each rank's stderr through a pipe and, once MPI_Abort
+        # reaches it, kills the job; a moment's grace lets the traceback through.
+        time.sleep(_ABORT_GRACE_S)
         target.Abort(exit_code)
 
     sys.excepthook = hook
