@@ -334,6 +334,10 @@ ffi::Error Call::mismatch(int source, int tag) {
     JAXCOMM_CHECK_MPI(MPI_Mrecv(scratch.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE), op_,
                       comm_);
   }
+  return mismatch_error(source, tag);
+}
+
+ffi::Error Call::mismatch_error(int source, int tag) const {
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                     "jaxcomm check: " + std::string(op_) + " on rank " +
                         std::to_string(comm_rank(comm_)) + " receives into " + receiving_ +
@@ -347,6 +351,14 @@ bool Call::header_matches(ffi::DataType dtype, ffi::Span<const int64_t> dims) {
   int64_t count = 1;
   for (int64_t d : dims) count *= d;
   return incoming_.dtype == static_cast<int32_t>(dtype) && incoming_.count == count;
+}
+
+ffi::Error Call::check_received(const MessageHeader& header, const MPI_Status& status,
+                                ffi::DataType dtype, ffi::Span<const int64_t> dims) {
+  incoming_ = header;
+  if (auto err = check_header(status); err.failure()) return err;
+  return header_matches(dtype, dims) ? ffi::Error::Success()
+                                     : mismatch_error(status.MPI_SOURCE, status.MPI_TAG);
 }
 
 ffi::Error Call::recv_header(int* source, int* tag, ffi::DataType dtype,

@@ -85,7 +85,7 @@ class Call {
 
   std::string description() const;
 
- private:
+  // What goes ahead of each message in checking mode.
   struct MessageHeader {
     char magic[8];  // "jaxcomm"
     int32_t dtype;
@@ -93,6 +93,13 @@ class Call {
     int64_t count;
     char array[96];  // the sender's describe_array
   };
+  // Non-blocking receives in checking mode: `header` arrived with `status`
+  // (received alongside the data); an error if it does not describe the buffer.
+  ffi::Error check_received(const MessageHeader& header, const MPI_Status& status,
+                            ffi::DataType dtype, ffi::Span<const int64_t> dims);
+
+ private:
+  ffi::Error mismatch_error(int source, int tag) const;
   MessageHeader make_header(int64_t pieces) const;
   void show_watchdog() const;  // what the watchdog reports if this call hangs
   ffi::Error check_header(const MPI_Status& status) const;

@@ -3,16 +3,20 @@
 // network, topology and rank count. What jaxcomm adds around it: checking mode
 // (call.h), pieces or derived datatypes beyond 2^31 - 1 elements, MPI_IN_PLACE
 // when XLA gives the output the input's buffer (a donated input), and outputs
-// that are written on every rank.
+// that are written on every rank. The non-blocking forms (at the end) post the
+// library's I-collective; their wait completes it (requests.h).
 #include <mpi.h>
 
+#include <functional>
 #include <string_view>
+#include <utility>
 
 #include "call.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
 #include "ops.h"
 #include "reduction.h"
+#include "requests.h"
 
 namespace jaxcomm::host {
 namespace {
@@ -223,6 +227,123 @@ ffi::Error Barrier(Token, TokenOut, int64_t comm_key, bool check) {
   if (auto err = call.agree(); err.failure()) return err;
   JAXCOMM_CHECK_MPI(MPI_Barrier(call.comm()), "barrier", call.comm());
   return ffi::Error::Success();
+}
+
+// -- non-blocking forms: `keep` is x passed through (XLA aliases it), so that x
+// stays alive and unchanged until the wait; out is never x.
+
+namespace {
+
+// The pending collective whose result MPI writes into out; `finish` edits it
+// once complete.
+Pending pending_into(std::string_view operation, int64_t comm_key, bool check, Result& out,
+                     std::function<void()> finish = nullptr) {
+  Pending pending{operation, comm_key, check};
+  pending.out = out->untyped_data();
+  if (finish)
+    pending.finish = [finish = std::move(finish)](Call&, const MPI_Status*, int32_t*) {
+      finish();
+      return ffi::Error::Success();
+    };
+  return pending;
+}
+
+// Logical results become 0 or 1 once the reduction is complete.
+std::function<void()> normalize_later(Result& out, int32_t op) {
+  return [data = out->untyped_data(), dtype = out->element_type(), n = out->element_count(), op] {
+    normalize_logical(data, dtype, n, op);
+  };
+}
+
+}  // namespace
+
+ffi::Error Iallreduce(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
+                      int64_t comm_key, bool check, int32_t op) {
+  Call call(comm_key, check, "iallreduce", x.element_type(), x.dimensions());
+  call.reduce_op(op);
+  MPI_Datatype type;
+  MPI_Op mpi;
+  if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
+  MPI_Comm comm = call.comm();
+  Pending pending = pending_into("iallreduce", comm_key, check, out, normalize_later(out, op));
+  JAXCOMM_CHECK_MPI(reduce_pieces(x.untyped_data(), out->untyped_data(), x.element_count(), type,
+                                  [&](const void* i, void* o, int n) {
+                                    return MPI_Iallreduce(i, o, n, type, mpi, comm,
+                                                          &pending.requests.emplace_back());
+                                  }),
+                    "iallreduce", comm);
+  return post(request->untyped_data(), std::move(pending));
+}
+
+ffi::Error IreduceScatter(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
+                          int64_t comm_key, bool check, int32_t op) {
+  Call call(comm_key, check, "ireduce_scatter", x.element_type(), x.dimensions());
+  call.reduce_op(op);
+  MPI_Datatype type;
+  MPI_Op mpi;
+  if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
+  MPI_Comm comm = call.comm();
+  const int64_t block = out->element_count();
+  if (block > kMaxCount)
+    return invalid_argument("ireduce_scatter",
+                            "rows of more than 2^31 - 1 elements; use "
+                            "reduce_scatter");
+  Pending pending = pending_into("ireduce_scatter", comm_key, check, out, normalize_later(out, op));
+  JAXCOMM_CHECK_MPI(
+      MPI_Ireduce_scatter_block(x.untyped_data(), out->untyped_data(), static_cast<int>(block),
+                                type, mpi, comm, &pending.requests.emplace_back()),
+      "ireduce_scatter", comm);
+  return post(request->untyped_data(), std::move(pending));
+}
+
+ffi::Error Ibcast(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
+                  int64_t comm_key, bool check, int32_t root) {
+  Call call(comm_key, check, "ibcast", x.element_type(), x.dimensions());
+  call.param("root", root);
+  MPI_Datatype type;
+  if (auto err = start(call, x, &type); err.failure()) return err;
+  MPI_Comm comm = call.comm();
+  if (comm_rank(comm) == root) copy_if_distinct(out, x);
+  Pending pending = pending_into("ibcast", comm_key, check, out);
+  const size_t width = ffi::ByteWidth(x.element_type());
+  JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
+                                   [&](int64_t offset, int n) {
+                                     return MPI_Ibcast(bytes(out) + offset * width, n, type, root,
+                                                       comm, &pending.requests.emplace_back());
+                                   }),
+                    "ibcast", comm);
+  return post(request->untyped_data(), std::move(pending));
+}
+
+ffi::Error Iallgather(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
+                      int64_t comm_key, bool check) {
+  Call call(comm_key, check, "iallgather", x.element_type(), x.dimensions());
+  MPI_Datatype type;
+  if (auto err = start(call, x, &type); err.failure()) return err;
+  MPI_Comm comm = call.comm();
+  // MPI lets a datatype be freed (Block's destructor) while a request uses it.
+  Block block(x.element_count(), type);
+  Pending pending = pending_into("iallgather", comm_key, check, out);
+  JAXCOMM_CHECK_MPI(
+      MPI_Iallgather(x.untyped_data(), block.count(), block.type(), out->untyped_data(),
+                     block.count(), block.type(), comm, &pending.requests.emplace_back()),
+      "iallgather", comm);
+  return post(request->untyped_data(), std::move(pending));
+}
+
+ffi::Error Ialltoall(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
+                     int64_t comm_key, bool check) {
+  Call call(comm_key, check, "ialltoall", x.element_type(), x.dimensions());
+  MPI_Datatype type;
+  if (auto err = start(call, x, &type); err.failure()) return err;
+  MPI_Comm comm = call.comm();
+  Block block(x.element_count() / comm_size(comm), type);
+  Pending pending = pending_into("ialltoall", comm_key, check, out);
+  JAXCOMM_CHECK_MPI(
+      MPI_Ialltoall(x.untyped_data(), block.count(), block.type(), out->untyped_data(),
+                    block.count(), block.type(), comm, &pending.requests.emplace_back()),
+      "ialltoall", comm);
+  return post(request->untyped_data(), std::move(pending));
 }
 
 }  // namespace jaxcomm::host

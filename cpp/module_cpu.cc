@@ -19,6 +19,7 @@
 
 #include "call.h"
 #include "ops.h"
+#include "requests.h"
 
 namespace nb = nanobind;
 
@@ -26,6 +27,8 @@ namespace jaxcomm {
 #define JAXCOMM_DEFINE_CPU_HANDLER(name, function, binding) \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name, host::function, binding);
 JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind())
+JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind())
+JAXCOMM_DEFINE_CPU_HANDLER(wait, Wait, waiting(ffi::Ffi::Bind()))
 #undef JAXCOMM_DEFINE_CPU_HANDLER
 }  // namespace jaxcomm
 
@@ -152,6 +155,7 @@ EagerRun eager_run(std::string_view operation) {
 #define JAXCOMM_EAGER_RUN(name, function, binding) \
   if (operation == #name) return &Eager<&host::function>::Run;
   JAXCOMM_OPERATIONS(JAXCOMM_EAGER_RUN, _)
+  JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_EAGER_RUN, _)
 #undef JAXCOMM_EAGER_RUN
   throw nb::value_error(("no jaxcomm operation named " + std::string(operation)).c_str());
 }
@@ -213,6 +217,21 @@ class EagerCall {
   nb::object before_, fail_;
 };
 
+// The eager wait: completes the request posted at `request` whose result MPI
+// writes at `out` (0: none). Returns ("", "", source, tag), or the error's code
+// name and message.
+std::tuple<std::string, std::string, int, int> complete(uintptr_t request, uintptr_t out) {
+  int32_t status[2] = {MPI_PROC_NULL, MPI_ANY_TAG};
+  ffi::Error error = ffi::Error::Success();
+  {
+    nb::gil_scoped_release unlocked;
+    error = host::complete(reinterpret_cast<const void*>(request),
+                           reinterpret_cast<const void*>(out), status);
+  }
+  if (!error.success()) return {error_code_name(error.errc()), error.message(), 0, 0};
+  return {"", "", status[0], status[1]};
+}
+
 }  // namespace
 }  // namespace jaxcomm
 
@@ -240,6 +259,8 @@ NB_MODULE(_jaxcomm_cpu, m) {
 #define JAXCOMM_REGISTER(name, function, binding) \
   targets["jaxcomm_" #name] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_##name));
     JAXCOMM_OPERATIONS(JAXCOMM_REGISTER, _)
+    JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_REGISTER, _)
+    JAXCOMM_REGISTER(wait, _, _)
 #undef JAXCOMM_REGISTER
     return targets;
   });
@@ -257,6 +278,15 @@ NB_MODULE(_jaxcomm_cpu, m) {
     if (std::string_view(name) != "unsupported") dtype_codes[name] = code;
   }
   m.attr("dtype_codes") = dtype_codes;
+  m.def("complete", &jaxcomm::complete, nb::arg("request"), nb::arg("out"),
+        "Wait for the non-blocking operation whose request buffer is at `request`.");
+  m.def(
+      "discard",
+      [](uintptr_t request) {
+        nb::gil_scoped_release unlocked;
+        jaxcomm::host::discard(reinterpret_cast<const void*>(request));
+      },
+      nb::arg("request"), "Drop a non-blocking operation that will never be waited.");
   m.def("mpi_library_version", &library_version,
         "MPI_Get_library_version of the libmpi this module is linked to.");
   m.def("mpi_initialized", &initialized,

@@ -43,6 +43,26 @@ ffi::Error Recv(Token, Buffer like, TokenOut, Result out, Status status, int64_t
 ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm, bool check,
                     int32_t source, int32_t dest, int32_t sendtag, int32_t recvtag);
 ffi::Error Barrier(Token, TokenOut, int64_t comm, bool check);
+// Non-blocking starts (host memory only): each posts MPI's I-form and returns a
+// one-element `request` buffer for Wait (requests.h); `keep` is x passed through.
+ffi::Error Iallreduce(Token, Buffer x, TokenOut, Result out, Result request, Result keep,
+                      int64_t comm, bool check, int32_t op);
+ffi::Error IreduceScatter(Token, Buffer x, TokenOut, Result out, Result request, Result keep,
+                          int64_t comm, bool check, int32_t op);
+ffi::Error Ibcast(Token, Buffer x, TokenOut, Result out, Result request, Result keep, int64_t comm,
+                  bool check, int32_t root);
+ffi::Error Iallgather(Token, Buffer x, TokenOut, Result out, Result request, Result keep,
+                      int64_t comm, bool check);
+ffi::Error Ialltoall(Token, Buffer x, TokenOut, Result out, Result request, Result keep,
+                     int64_t comm, bool check);
+ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result keep, int64_t comm, bool check,
+                 int32_t dest, int32_t tag);
+ffi::Error Irecv(Token, Buffer like, TokenOut, Result out, Result request, int64_t comm, bool check,
+                 int32_t source, int32_t tag);
+// Completes the request named by `request`; its other operands only keep buffers
+// alive. Results: the received data (aliased with the start's), then the status.
+ffi::Error Wait(Token, Buffer request, ffi::RemainingArgs, TokenOut, ffi::RemainingRets results);
+
 ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check,
                            std::string_view operation);
 
@@ -102,6 +122,44 @@ auto receiving(Binding&& base) {
         .Attr<int32_t>("recvtag"))                                                     \
   X(barrier, Barrier, with_comm(base.Arg<host::Token>().Ret<host::Token>()))           \
   X(check_replicated, CheckReplicated, unary(base).Attr<std::string_view>("operation"))
+
+// token, x -> token, out, request, keep
+template <typename Binding>
+auto starting(Binding&& base) {
+  return with_comm(one_input(std::forward<Binding>(base))
+                       .template Ret<host::Buffer>()
+                       .template Ret<host::Buffer>()
+                       .template Ret<host::Buffer>());
+}
+
+// token, x -> token, two results
+template <typename Binding>
+auto two_results(Binding&& base) {
+  return with_comm(one_input(std::forward<Binding>(base))
+                       .template Ret<host::Buffer>()
+                       .template Ret<host::Buffer>());
+}
+
+// The non-blocking starts, as JAXCOMM_OPERATIONS; the CPU backend registers them
+// and jaxcomm_wait.
+#define JAXCOMM_NONBLOCKING_OPERATIONS(X, base)                                 \
+  X(iallreduce, Iallreduce, starting(base).Attr<int32_t>("op"))                 \
+  X(ireduce_scatter, IreduceScatter, starting(base).Attr<int32_t>("op"))        \
+  X(ibcast, Ibcast, starting(base).Attr<int32_t>("root"))                       \
+  X(iallgather, Iallgather, starting(base))                                     \
+  X(ialltoall, Ialltoall, starting(base))                                       \
+  X(isend, Isend, two_results(base).Attr<int32_t>("dest").Attr<int32_t>("tag")) \
+  X(irecv, Irecv, two_results(base).Attr<int32_t>("source").Attr<int32_t>("tag"))
+
+template <typename Binding>
+auto waiting(Binding&& base) {
+  return std::forward<Binding>(base)
+      .template Arg<host::Token>()
+      .template Arg<host::Buffer>()
+      .RemainingArgs()
+      .template Ret<host::Token>()
+      .RemainingRets();
+}
 
 }  // namespace jaxcomm
 

@@ -1,14 +1,15 @@
-// The point-to-point handlers on host memory: send, recv and sendrecv. Each
-// posts MPI's nonblocking calls and waits for them by polling (wait_all), which
-// costs less than MPI's blocking calls for small messages. A receive from
+// The point-to-point handlers on host memory: send, recv and sendrecv, which
+// post MPI's nonblocking calls and wait for them by polling (wait_all: it costs
+// less than MPI's blocking calls for small messages), and the starts of isend
+// and irecv, whose waits complete them (requests.h). A receive from
 // MPI_PROC_NULL gives zeros, so the output is always written; the status output
 // holds the sender's rank and the tag.
 #include <mpi.h>
 
 #include <algorithm>
+#include <memory>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include "call.h"
@@ -16,37 +17,10 @@
 #include "memory.h"
 #include "ops.h"
 #include "reduction.h"
+#include "requests.h"
 
 namespace jaxcomm::host {
 namespace {
-
-// Waits for `n` requests by polling MPI_Testall, yielding the core between polls
-// once kPollsBeforeYield have found them unfinished, so that a rank that waits
-// long leaves the core to ranks that share it. MPICH's blocking waits yield the
-// core on every wait under MPI_THREAD_MULTIPLE, which costs more than a small
-// message itself.
-int wait_all(int n, MPI_Request* requests, MPI_Status* statuses) {
-  constexpr int kPollsBeforeYield = 1000;
-  for (int polls = 0;; ++polls) {
-    int done = 0;
-    const int code = MPI_Testall(n, requests, &done, statuses);
-    if (code == MPI_ERR_IN_STATUS) {
-      for (int i = 0; i < n; ++i)
-        if (statuses[i].MPI_ERROR != MPI_SUCCESS && statuses[i].MPI_ERROR != MPI_ERR_PENDING)
-          return statuses[i].MPI_ERROR;
-    }
-    if (code != MPI_SUCCESS || done) return code;
-    if (polls >= kPollsBeforeYield) std::this_thread::yield();
-  }
-}
-
-// Cancels a request that was posted before posting the next one failed, and waits
-// until it is cancelled (or complete): until then MPI may still write into its
-// buffer, which XLA reuses once the handler returns.
-void abandon(MPI_Request* request) {
-  MPI_Cancel(request);
-  MPI_Wait(request, MPI_STATUS_IGNORE);
-}
 
 int send(const void* data, int n, MPI_Datatype type, int dest, int tag, MPI_Comm comm) {
   MPI_Request request;
@@ -213,6 +187,78 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
   JAXCOMM_CHECK_MPI(result, "sendrecv", comm);
   write_status(status, first);
   return ffi::Error::Success();
+}
+
+ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result /*keep*/, int64_t comm_key,
+                 bool check, int32_t dest, int32_t tag) {
+  Call call(comm_key, check, "isend", x.element_type(), x.dimensions());
+  call.peer("dest", dest).peer("tag", tag);
+  MPI_Comm comm = call.comm();
+  MPI_Datatype type;
+  if (auto err = datatype_of(x, "isend", &type); err.failure()) return err;
+  if (auto err = call.send_header(dest, tag, pieces(x.element_count())); err.failure()) return err;
+  // In pieces as send splits them, so that a blocking recv can match an isend.
+  Pending pending{"isend", comm_key, check};
+  pending.cancellable = true;
+  const size_t width = ffi::ByteWidth(x.element_type());
+  JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
+                                   [&](int64_t offset, int n) {
+                                     return MPI_Isend(bytes(x) + offset * width, n, type, dest, tag,
+                                                      comm, &pending.requests.emplace_back());
+                                   }),
+                    "isend", comm);
+  return post(request->untyped_data(), std::move(pending));
+}
+
+// Checking mode receives each message's header alongside it: both are posted
+// now, so that ranks that post their receives before their sends never wait for
+// each other's headers.
+ffi::Error Irecv(Token, Buffer /*like*/, TokenOut, Result out, Result request, int64_t comm_key,
+                 bool check, int32_t source, int32_t tag) {
+  Call call(comm_key, check, "irecv", out->element_type(), out->dimensions());
+  call.peer("source", source).peer("tag", tag);
+  if (auto err = call.live(); err.failure()) return err;
+  MPI_Comm comm = call.comm();
+  MPI_Datatype type = mpi_datatype(out->element_type());
+  if (type == MPI_DATATYPE_NULL) return invalid_argument("irecv", "unsupported dtype");
+  const int64_t count = out->element_count();
+  if (source == MPI_ANY_SOURCE && (check || pieces(count) > 1))
+    return invalid_argument("irecv", "MPI.ANY_SOURCE needs one message without checking mode");
+  if (source == MPI_PROC_NULL) zero(out);
+  const bool header = check && source != MPI_PROC_NULL;
+  auto incoming = std::make_shared<Call::MessageHeader>();
+  Pending pending{"irecv", comm_key, check};
+  pending.cancellable = true;
+  if (header)
+    JAXCOMM_CHECK_MPI(MPI_Irecv(incoming.get(), sizeof *incoming, MPI_BYTE, source, tag, comm,
+                                &pending.requests.emplace_back()),
+                      "irecv", comm);
+  const size_t width = ffi::ByteWidth(out->element_type());
+  JAXCOMM_CHECK_MPI(for_each_piece(count,
+                                   [&](int64_t offset, int n) {
+                                     return MPI_Irecv(bytes(out) + offset * width, n, type, source,
+                                                      tag, comm, &pending.requests.emplace_back());
+                                   }),
+                    "irecv", comm);
+  std::vector<int64_t> dims(out->dimensions().begin(), out->dimensions().end());
+  pending.out = out->untyped_data();
+  pending.finish = [=, dtype = out->element_type()](Call& done, const MPI_Status* statuses,
+                                                    int32_t* status) -> ffi::Error {
+    if (header)
+      if (auto err = done.check_received(*incoming, statuses[0], dtype, dims); err.failure())
+        return err;
+    const MPI_Status* data = statuses + (header ? 1 : 0);
+    for (int64_t offset = 0, i = 0; offset < count || i == 0; offset += kMaxCount, ++i) {
+      const int n = static_cast<int>(std::min<int64_t>(count - offset, kMaxCount));
+      if (auto err = check_count(data[i], type, n, "irecv"); err.failure()) return err;
+    }
+    if (status != nullptr) {
+      status[0] = data[0].MPI_SOURCE;
+      status[1] = data[0].MPI_TAG;
+    }
+    return ffi::Error::Success();
+  };
+  return post(request->untyped_data(), std::move(pending));
 }
 
 }  // namespace jaxcomm::host

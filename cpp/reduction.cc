@@ -121,13 +121,16 @@ void fill_identity(ffi::Result<ffi::AnyBuffer>& out, int32_t reduce_op) {
 }
 
 void normalize_logical(ffi::Result<ffi::AnyBuffer>& out, int32_t reduce_op) {
+  normalize_logical(out->untyped_data(), out->element_type(), out->element_count(), reduce_op);
+}
+
+void normalize_logical(void* data, ffi::DataType dtype, int64_t count, int32_t reduce_op) {
   const auto op = static_cast<ReduceOp>(reduce_op);
   if (op != ReduceOp::kLand && op != ReduceOp::kLor && op != ReduceOp::kLxor) return;
-  if (!is_integer(out->element_type())) return;
-  const int64_t n = out->element_count();
-  const size_t width = ffi::ByteWidth(out->element_type());
-  memory().edit(out->untyped_data(), out->size_bytes(),
-                [&](void* data) { to_truth(data, n, width); });
+  if (!is_integer(dtype)) return;
+  const size_t width = ffi::ByteWidth(dtype);
+  memory().edit(data, static_cast<size_t>(count) * width,
+                [&](void* bytes) { to_truth(bytes, count, width); });
 }
 
 }  // namespace jaxcomm::host

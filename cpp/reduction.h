@@ -42,6 +42,7 @@ void fill_identity(ffi::Result<ffi::AnyBuffer>& out, int32_t reduce_op);
 // MPI's logical operators on integers pass a lone operand through unchanged (one
 // rank, scan on rank 0); jaxcomm's logical results are always 0 or 1.
 void normalize_logical(ffi::Result<ffi::AnyBuffer>& out, int32_t reduce_op);
+void normalize_logical(void* data, ffi::DataType dtype, int64_t count, int32_t reduce_op);
 
 }  // namespace jaxcomm::host
 

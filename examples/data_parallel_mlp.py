@@ -3,12 +3,19 @@ synthetic regression dataset, and the gradients are averaged across ranks with
 one pytree allreduce per step, so every rank applies the same update.
 
     mpiexec -n 2 python examples/data_parallel_mlp.py --steps 200
+    mpiexec -n 2 python examples/data_parallel_mlp.py --steps 200 --buckets
+
+With --buckets the backward pass runs layer by layer (jax.vjp), and each layer's
+gradients (a bucket) are posted with `iallreduce` as soon as they are computed,
+so that their messages travel while the earlier layers' gradients are computed;
+the update waits for all of them.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +34,15 @@ def init_params(key: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
     return params
 
 
+def layer(weights, x: jax.Array, last: bool) -> jax.Array:
+    w, b = weights
+    return (x @ w + b)[:, 0] if last else jnp.tanh(x @ w + b)
+
+
 def predict(params, x: jax.Array) -> jax.Array:
-    for w, b in params[:-1]:
-        x = jnp.tanh(x @ w + b)
-    w, b = params[-1]
-    return (x @ w + b)[:, 0]
+    for i, weights in enumerate(params):
+        x = layer(weights, x, last=i == len(params) - 1)
+    return x
 
 
 def loss(params, x, y) -> jax.Array:
@@ -58,6 +69,26 @@ def make_train_step(comm: JaxComm, learning_rate: float):
     return train_step
 
 
+def make_bucketed_train_step(comm: JaxComm, learning_rate: float):
+    @jax.jit
+    def train_step(params, x, y):
+        backward = []
+        for i, weights in enumerate(params):
+            x, vjp = jax.vjp(partial(layer, last=i == len(params) - 1), weights, x)
+            backward.append(vjp)
+        local_loss, dloss = jax.value_and_grad(lambda p: jnp.mean((p - y) ** 2))(x)
+        buckets = []
+        for vjp in reversed(backward):  # last layer first, as the gradients appear
+            grads, dloss = vjp(dloss)
+            buckets.append(comm.iallreduce(grads))
+        mean_loss = comm.iallreduce(local_loss)
+        grads = [comm.wait(bucket) for bucket in reversed(buckets)]
+        params = jax.tree.map(lambda p, g: p - learning_rate * g / comm.size, params, grads)
+        return params, comm.wait(mean_loss) / comm.size
+
+    return train_step
+
+
 def identical_on_all_ranks(comm: JaxComm, params) -> bool:
     """Bitwise: the elementwise max over ranks equals the min over ranks."""
     highest = comm.allreduce(params, op=MPI.MAX)
@@ -76,13 +107,17 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--check", action="store_true", help="verify identical parameters after every step"
     )
+    parser.add_argument(
+        "--buckets", action="store_true", help="allreduce each layer's gradients as they appear"
+    )
     args = parser.parse_args(argv)
 
     comm = JaxComm(MPI.COMM_WORLD)
     # Different initial parameters per rank on purpose: one bcast makes them agree.
     params = comm.bcast(init_params(jax.random.key(comm.rank)), root=0)
     x, y = shard(comm.rank, args.samples)
-    train_step = make_train_step(comm, args.learning_rate)
+    make = make_bucketed_train_step if args.buckets else make_train_step
+    train_step = make(comm, args.learning_rate)
 
     for step in range(1, args.steps + 1):
         params, mean_loss = train_step(params, x, y)

@@ -28,6 +28,7 @@ from mpi4py import MPI
 from jaxcomm import _native
 from jaxcomm._kernels import build_flags, register_kernel
 from jaxcomm._native import MPILibraryMismatchError
+from jaxcomm._nonblocking import Request
 from jaxcomm._ops import DTYPES, ReduceOp
 from jaxcomm.comm import JaxComm, Status
 from jaxcomm.topology import CartComm
@@ -44,6 +45,7 @@ __all__ = [
     "JaxComm",
     "MPILibraryMismatchError",
     "ReduceOp",
+    "Request",
     "Status",
     "abort_on_error",
     "allgather",
@@ -59,6 +61,13 @@ __all__ = [
     "get_include",
     "has_cuda_support",
     "has_sycl_support",
+    "iallgather",
+    "iallreduce",
+    "ialltoall",
+    "ibcast",
+    "irecv",
+    "ireduce_scatter",
+    "isend",
     "recv",
     "reduce",
     "reduce_scatter",
@@ -67,6 +76,8 @@ __all__ = [
     "scatter",
     "send",
     "sendrecv",
+    "wait",
+    "waitall",
 ]
 
 # Finish pending jaxcomm operations before mpi4py's own exit hook (registered
@@ -164,6 +175,15 @@ send = _module_function("send")
 recv = _receiving_function("recv")
 sendrecv = _receiving_function("sendrecv")
 barrier = _module_function("barrier")
+iallreduce = _module_function("iallreduce")
+ireduce_scatter = _module_function("ireduce_scatter")
+ibcast = _module_function("ibcast")
+iallgather = _module_function("iallgather")
+ialltoall = _module_function("ialltoall")
+isend = _module_function("isend")
+irecv = _module_function("irecv")
+wait = _module_function("wait")
+waitall = _module_function("waitall")
 
 
 def abort_on_error(comm: MPI.Comm | JaxComm | None = None, exit_code: int = 1) -> None:

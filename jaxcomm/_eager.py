@@ -101,12 +101,15 @@ class EagerOp:
         self._abstract_eval = abstract_eval
         self._attr_names = tuple(attr_names)
 
-    def __call__(self, args: Sequence[jax.Array], comm: Any, **params: Any) -> list[jax.Array]:
-        """The operation's results, as new arrays (never aliased with `args`)."""
+    def __call__(
+        self, args: Sequence[jax.Array], comm: Any, wrapped: int | None = None, **params: Any
+    ) -> list[Any]:
+        """The operation's results, as new arrays (never aliased with `args`): its
+        first `wrapped` (default: all) as jax.Arrays, the rest as NumPy arrays."""
         in_types = tuple((a.shape, a.dtype) for a in args)
         # Every operation with results has an input; the others never use `device`.
         device = _device(args[0].sharding) if args else None
-        return _prepared(self, in_types, comm, tuple(params.items()), device)(*args)
+        return _prepared(self, in_types, comm, tuple(params.items()), device, wrapped)(*args)
 
     def prepare(self, in_types, comm, params, device, wrapped=None) -> cpu.EagerCall:
         """The call on arrays of `in_types` on `device`, prepared afresh (see _prepared).
@@ -260,6 +263,13 @@ def remember_map(op: EagerOp, x: Any, comm: Any, params: dict[str, Any], fuse: b
     if leaves and all(type(a) is ArrayImpl for a in leaves) and can_run(leaves):
         call = map_call(op, leaves, comm, params, fuse)
         _keep(_tree_signature(op, tree, leaves, comm, params), call)
+
+
+def as_array(values: np.ndarray, like: jax.Array) -> jax.Array:
+    """NumPy `values` as a jax.Array on `like`'s (CPU) device, sharing their memory
+    when it is aligned."""
+    aval = core.ShapedArray(values.shape, values.dtype)
+    return host_arrays(aval, _device(like.sharding))(values)
 
 
 def scalars(values: np.ndarray, like: jax.Array) -> list[jax.Array]:

@@ -26,15 +26,15 @@ from jaxcomm._primitive import (
     zero_tangent,
 )
 
-_STATUS = core.ShapedArray((2,), np.int32)
+STATUS = core.ShapedArray((2,), np.int32)
 
 
 def _recv_shape(like, **_):
-    return [core.ShapedArray(like.shape, like.dtype), _STATUS]
+    return [core.ShapedArray(like.shape, like.dtype), STATUS]
 
 
 def _sendrecv_shape(x, *, shape, dtype, **_):
-    return [core.ShapedArray(shape, dtype), _STATUS]
+    return [core.ShapedArray(shape, dtype), STATUS]
 
 
 send_p = comm_primitive("send", lambda *_, **__: [], attrs=("dest", "tag"))
@@ -84,7 +84,7 @@ def barrier(*, comm: CommInfo) -> None:
 # -- AD --------------------------------------------------------------------------------
 
 
-def _known_source(operation: str, source: int) -> None:
+def known_source(operation: str, source: int) -> None:
     if source == MPI.ANY_SOURCE:
         raise ValueError(
             f"{operation}: differentiating a receive needs an explicit source, not "
@@ -93,7 +93,7 @@ def _known_source(operation: str, source: int) -> None:
         )
 
 
-def _reply_tag(tag: int) -> int:
+def reply_tag(tag: int) -> int:
     return 0 if tag == MPI.ANY_TAG else tag
 
 
@@ -114,14 +114,14 @@ def _recv_jvp(primals, tangents, *, comm, source, tag):
     out, status = recv_p.bind(*primals, comm=comm, source=source, tag=tag)
     if not differentiable(out):
         return [out, status], [zero_tangent(out), zero_tangent(status)]
-    _known_source("recv", source)
+    known_source("recv", source)
     dot, _ = recv_p.bind(instantiate(tangents[0]), comm=comm, source=source, tag=tag)
     return [out, status], [dot, zero_tangent(status)]
 
 
 def _recv_transpose(cts, like, *, comm, source, tag):
-    _known_source("recv", source)
-    send(instantiate(cts[0]), comm=comm, dest=source, tag=_reply_tag(tag))
+    known_source("recv", source)
+    send(instantiate(cts[0]), comm=comm, dest=source, tag=reply_tag(tag))
     return [None]
 
 
@@ -129,13 +129,13 @@ def _sendrecv_jvp(primals, tangents, **params):
     out, status = sendrecv_p.bind(*primals, **params)
     if not (differentiable(primals[0]) and differentiable(out)):
         return [out, status], [zero_tangent(out), zero_tangent(status)]
-    _known_source("sendrecv", params["source"])
+    known_source("sendrecv", params["source"])
     dot, _ = sendrecv_p.bind(instantiate(tangents[0]), **params)
     return [out, status], [dot, zero_tangent(status)]
 
 
 def _sendrecv_transpose(cts, x, *, comm, shape, dtype, source, dest, sendtag, recvtag):
-    _known_source("sendrecv", source)
+    known_source("sendrecv", source)
     ct, _ = sendrecv(
         instantiate(cts[0]),
         comm=comm,
@@ -143,7 +143,7 @@ def _sendrecv_transpose(cts, x, *, comm, shape, dtype, source, dest, sendtag, re
         dtype=x.aval.dtype,
         source=dest,
         dest=source,
-        sendtag=_reply_tag(recvtag),
+        sendtag=reply_tag(recvtag),
         recvtag=MPI.ANY_TAG,
     )
     return [ct]

@@ -59,12 +59,17 @@ class CommPrimitive(Primitive):
 
     def __init__(self, name: str, abstract_eval: AbstractEval, attrs: Sequence[str]):
         super().__init__(f"jaxcomm_{name}")
+        self.op_name = name
+        self.result_types = abstract_eval  # not abstract_eval: Primitive has its own
+        self.attrs = tuple(attrs)
         self.eager = _eager.EagerOp(name, abstract_eval, attrs)
         # Reached only through Primitive.bind, that is when the direct path cannot run.
         self.def_impl(partial(apply_primitive, self))
 
+    direct_bind = True  # False: bind always goes through JAX (the starts of _nonblocking)
+
     def bind(self, *args: Any, **params: Any) -> Sequence[Any]:
-        if _eager.can_run(args):
+        if self.direct_bind and _eager.can_run(args):
             return self.eager(args, **params)
         return super().bind(*args, **params)
 
@@ -75,13 +80,14 @@ def comm_primitive(
     *,
     attrs: Sequence[str] = (),
     aliases: Callable[..., dict[int, int] | None] | None = None,
+    before_lowering: Callable[..., None] | None = None,
 ) -> Primitive:
     """Define the primitive for operation `name`.
 
     abstract_eval(*avals, comm, **params) returns the output avals. `attrs` names
     the params passed to the FFI handler besides the communicator (ints as int32,
     strings as string attributes). `aliases(*avals, **params)` says which outputs
-    may reuse which inputs.
+    may reuse which inputs. `before_lowering(**params)` may refuse to lower a call.
     """
     primitive = CommPrimitive(name, abstract_eval, attrs)
     primitive.def_effectful_abstract_eval(
@@ -89,6 +95,8 @@ def comm_primitive(
     )
 
     def lowering(ctx: mlir.LoweringRuleContext, *operands: Any, comm: CommInfo, **params: Any):
+        if before_lowering is not None:
+            before_lowering(**params)
         alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases else None
         rule = lower_with_token(f"jaxcomm_{name}", aliases=alias)
         ffi_attrs: dict[str, Any] = {"comm": np.int64(comm.key), "check": np.bool_(comm.check)}

@@ -17,11 +17,13 @@ from jaxcomm import (
     _fusion,
     _kernels,
     _native,
+    _nonblocking,
     _p2p,
     _reductions,
     _settings,
 )
 from jaxcomm._jax_internals import ArrayImpl
+from jaxcomm._nonblocking import Request
 from jaxcomm._ops import ReduceOp, as_reduce_op, check_dtype, check_reduction
 from jaxcomm._primitive import CommInfo
 
@@ -481,6 +483,95 @@ class JaxComm:
             _eager.remember(_p2p.sendrecv_p.eager, sendbuf, comm, repeatable)
         result = jax.tree.unflatten(tree, results)
         return (result, _status(status, result)) if return_status else result
+
+    # -- non-blocking -----------------------------------------------------------------
+    def _post(
+        self,
+        operation: str,
+        x: PyTree,
+        *,
+        leading_axis: str | None = None,
+        return_status: bool = False,
+        **params: Any,
+    ) -> Request:
+        leaves, tree = self._leaves(operation, x, params.get("op"))
+        for leaf in leaves:
+            if leading_axis is not None:
+                self._leading_axis(operation, leaf, leading_axis)
+            if not isinstance(leaf, jax.core.Tracer) and "cpu" not in _eager.platforms(
+                leaf.sharding
+            ):
+                raise NotImplementedError(
+                    f"{operation}: non-blocking operations take host (CPU) arrays; "
+                    "on GPU use the blocking form"
+                )
+        comm = self._comm
+        return _nonblocking.start(
+            operation, leaves, tree, comm=comm, return_status=return_status, **params
+        )
+
+    def iallreduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> Request:
+        """Post allreduce; ``wait`` returns its result. Like MPI_Iallreduce."""
+        return self._post("iallreduce", x, op=as_reduce_op(op))
+
+    def ireduce_scatter(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> Request:
+        """Post reduce_scatter (x: ``(size, *s)``); ``wait`` returns row `rank`, shape s."""
+        return self._post("ireduce_scatter", x, leading_axis="x", op=as_reduce_op(op))
+
+    def ibcast(self, x: PyTree, root: int = 0) -> Request:
+        """Post bcast; ``wait`` returns root's x."""
+        return self._post("ibcast", x, root=self._rank("ibcast", "root", root))
+
+    def iallgather(self, x: PyTree) -> Request:
+        """Post allgather; ``wait`` returns ``(size, *x.shape)``."""
+        return self._post("iallgather", x)
+
+    def ialltoall(self, x: PyTree) -> Request:
+        """Post alltoall (x: ``(size, *s)``); ``wait`` returns ``(size, *s)``."""
+        return self._post("ialltoall", x, leading_axis="x")
+
+    def isend(self, x: PyTree, dest: int, tag: int = 0) -> Request:
+        """Post a send of x to dest; ``wait`` returns None. x is not copied: MPI reads
+        it until the wait."""
+        dest = self._rank("isend", "dest", dest, MPI.PROC_NULL)
+        return self._post("isend", x, dest=dest, tag=self._tag("isend", "tag", tag))
+
+    def irecv(
+        self,
+        x: PyTree,
+        source: int = MPI.ANY_SOURCE,
+        tag: int = MPI.ANY_TAG,
+        *,
+        return_status: bool = False,
+    ) -> Request:
+        """Post a receive into arrays shaped like x (a template); ``wait`` returns
+        the result, or (result, Status) with return_status=True."""
+        source = self._rank("irecv", "source", source, MPI.ANY_SOURCE, MPI.PROC_NULL)
+        tag = self._tag("irecv", "tag", tag, MPI.ANY_TAG)
+        if source == MPI.ANY_SOURCE and (self.check or len(jax.tree.leaves(x)) > 1):
+            raise ValueError(
+                "irecv: MPI.ANY_SOURCE receives one array, without checking mode; "
+                "give an explicit source"
+            )
+        return self._post("irecv", x, return_status=return_status, source=source, tag=tag)
+
+    def wait(self, request: Request) -> Any:
+        """Complete a non-blocking operation and return its result (None for isend).
+
+        Wait exactly once for every request, in the function (and loop iteration
+        or branch) that posted it.
+        """
+        if not isinstance(request, Request):
+            raise TypeError(f"wait: expected a jaxcomm Request, got {type(request).__name__}")
+        result, status = request.wait()
+        if status is None:
+            return result
+        leaves = jax.tree.leaves(result)
+        return result, _status(status, leaves[0] if leaves else None)
+
+    def waitall(self, requests: Sequence[Request]) -> list[Any]:
+        """wait for each request in order; returns their results."""
+        return [self.wait(request) for request in requests]
 
     # -- extension hook -----------------------------------------------------------------
     def call_kernel(

@@ -94,6 +94,18 @@ def test_shallow_water_matches_one_rank(shallow_water_1_rank, tmp_path, nprocs):
     np.testing.assert_allclose(state, shallow_water_1_rank, rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.parametrize("nprocs", [1, 3])
+def test_shallow_water_overlap_gives_the_same_bits(shallow_water_1_rank, tmp_path, nprocs):
+    """--overlap (irecv/isend, interior update, wait, edges) against halo_exchange."""
+    states = []
+    for flags in ([], ["--overlap"]) if nprocs > 1 else (["--overlap"],):
+        path = tmp_path / f"{nprocs}{''.join(flags)}.npy"
+        run_example("shallow_water.py", nprocs, *SMALL_WATER, *flags, "--save", str(path))
+        states.append(np.load(path))
+    blocking = states[0] if nprocs > 1 else shallow_water_1_rank
+    np.testing.assert_array_equal(states[-1], blocking)
+
+
 def test_shallow_water_plot_and_scaling_table(tmp_path):
     png = tmp_path / "water.png"
     run_example(
@@ -132,3 +144,12 @@ def test_data_parallel_mlp(nprocs):
         outputs[0]
     )
     assert outputs[0].endswith(f"parameters identical on all {nprocs} ranks\n")
+
+
+def test_data_parallel_mlp_buckets_train_the_same():
+    """--buckets posts each layer's gradients as the backward pass produces them."""
+    runs = [
+        run_example("data_parallel_mlp.py", 3, "--steps", "100", "--check", *flags)[0]
+        for flags in ([], ["--buckets"])
+    ]
+    assert runs[1] == runs[0], runs

@@ -41,6 +41,17 @@ def send_recv_pairs(comm, x):
     return x
 
 
+def isend_irecv_ring(comm, x):
+    """Each rank posts the receive from the left, sends 3x to the right, computes
+    x**2 meanwhile, and multiplies it into what arrives."""
+    left, right = shift_peers(comm, True)
+    received = comm.irecv(x, source=left, tag=4)
+    sent = comm.isend(3 * x, dest=right, tag=4)
+    square = x * x
+    comm.wait(sent)
+    return comm.wait(received) * square
+
+
 def scatter_rows(comm, x):
     return comm.scatter(x if comm.rank == 1 % comm.size else x[0], root=1 % comm.size)
 
@@ -82,6 +93,16 @@ CASES = {
     "send_recv": (send_recv_pairs, False),
     "pvary": (lambda c, x: c.pvary(c.allreduce(x)) * (c.rank + 1.0), False),
     "barrier": (lambda c, x: c.barrier() and x * x, False),
+    # Non-blocking: posted, something computed meanwhile, waited.
+    "iallreduce_sum": (lambda c, x: c.wait(c.iallreduce(x)) + x * 0, True),
+    "iallreduce_max": (lambda c, x: c.wait(c.iallreduce(x, op=MPI.MAX)), True),
+    "iallreduce_prod": (lambda c, x: c.wait(c.iallreduce(x, op=MPI.PROD)), True),
+    "ibcast": (lambda c, x: c.wait(c.ibcast(x, root=c.size - 1)), True),
+    "iallgather": (lambda c, x: c.wait(c.iallgather(x[0])), True),
+    "ialltoall": (lambda c, x: c.wait(c.ialltoall(x)), False),
+    "ireduce_scatter_sum": (lambda c, x: c.wait(c.ireduce_scatter(x)), False),
+    "ireduce_scatter_max": (lambda c, x: c.wait(c.ireduce_scatter(x, op=MPI.MAX)), False),
+    "isend_irecv_ring": (lambda c, x: isend_irecv_ring(c, x), False),
 }
 
 
@@ -145,7 +166,7 @@ def test_jacrev_matches_finite_differences(comm, name):
     skip_beyond_three_ranks(comm)
     if name == "gather" and comm.size > 1:
         pytest.skip("jacrev batches over outputs: gather's output size differs by rank")
-    if name == "send_recv" and comm.size > 1:
+    if (name == "send_recv" and comm.size > 1) or name == "isend_irecv_ring":
         pytest.skip("a send's transpose cannot know the batch size of jacrev (documented)")
     fn, replicated = CASES[name]
     x = data(comm.rank, comm.size)
@@ -178,7 +199,7 @@ def test_second_order(comm, name):
     fn = lambda x: CASES[name][0](comm, x)  # noqa: E731
     x = data(comm.rank, comm.size)
     check_grads(fn, (x,), order=2, modes=["fwd"], eps=1e-4)
-    if name == "send_recv" and comm.size > 1:
+    if (name == "send_recv" and comm.size > 1) or name == "isend_irecv_ring":
         return  # reverse over reverse needs sendrecv (documented): a send's transpose
         # receives into a constant, so the outer derivative never reaches it.
     # Reverse over reverse: the Hessian-vector product against differences of grads.

@@ -1,0 +1,525 @@
+"""Non-blocking operations: a start that posts MPI's non-blocking call, and a wait
+that completes it.
+
+Each non-blocking operation is derived from its blocking twin (same checks, same
+result shapes, same FFI attributes) and is a pair of primitives:
+
+- ``jaxcomm_i<name>``: x -> (pending, request, keep). `pending` is the buffer MPI
+  writes the result into; `request` is a one-element buffer whose address names
+  the posted MPI request until the wait; `keep` is x passed through (aliased),
+  so that XLA keeps the data MPI reads alive and unchanged until the wait.
+  isend has no `pending`, irecv no `keep`.
+- ``jaxcomm_wait``: (request, keep, pending) -> result, aliased with `pending`,
+  plus the status for a receive. The wait checks that XLA kept `pending` in place.
+
+Both carry jaxcomm's ordered effect, so a start and its wait stay in program
+order with every other jaxcomm call, while computation that depends on neither
+may run between them.
+
+Under AD the tangent of a linear operation is posted and waited alongside the
+primal one; a non-linear reduction (MAX, PROD...) computes its tangent at the
+wait, with blocking calls. The transpose of a wait posts the adjoint operation
+and the transpose of the start waits for it, so that cotangents overlap the
+backward pass as the primal messages overlap the forward pass. Adjoints that
+need no message under jaxcomm's gradient convention (iallreduce, ibcast,
+iallgather) are computed at the wait's transpose.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import core
+from jax.extend.core import Primitive
+from jax.interpreters import ad, mlir
+from mpi4py import MPI
+
+from jaxcomm import _collectives, _eager, _p2p, _reductions
+from jaxcomm._jax_internals import COMM_EFFECT, at_top_level, lower_with_token
+from jaxcomm._native import PLATFORMS, cpu
+from jaxcomm._ops import ReduceOp
+from jaxcomm._primitive import (
+    CommInfo,
+    CommPrimitive,
+    comm_primitive,
+    define_rules,
+    differentiable,
+    instantiate,
+    move_batch,
+    on_rank,
+    zero_tangent,
+)
+
+# float32, not an integer: a tangent or cotangent request must have the same type.
+REQUEST = core.ShapedArray((1,), np.float32)
+
+
+class Kind(NamedTuple):
+    """Which buffers an operation's start returns and its wait takes."""
+
+    pending: bool  # a result that MPI writes
+    keep: bool  # data that MPI reads
+    status: bool  # the wait also returns (source, tag)
+
+
+COLLECTIVE = Kind(pending=True, keep=True, status=False)
+SEND = Kind(pending=False, keep=True, status=False)
+RECEIVE = Kind(pending=True, keep=False, status=True)
+
+
+class Nonblocking(NamedTuple):
+    """One non-blocking operation: its start primitive and what drives its rules."""
+
+    start: CommPrimitive
+    kind: Kind
+    blocking: CommPrimitive
+    # Batch axis of x for the start, and of its result: the blocking op's layout.
+    batch_in: Callable[..., int]
+    batch_out: Callable[..., int]
+
+
+def _declare(blocking: CommPrimitive, kind: Kind, batch_in, batch_out) -> Nonblocking:
+    def abstract_eval(x, **params):
+        results = blocking.result_types(x, **params)[:1] if kind.pending else []
+        return [*results, REQUEST, *([x] if kind.keep else [])]
+
+    keep_index = 2 if kind.pending else 1
+    name = "i" + blocking.op_name
+    start = comm_primitive(
+        name,
+        abstract_eval,
+        attrs=blocking.attrs,
+        # irecv's template may become its result, as recv's does.
+        aliases=lambda *_, **__: {0: keep_index} if kind.keep else {0: 0},
+        before_lowering=partial(_refuse_abandoned, name),
+    )
+    # Its direct path returns NumPy buffers that MPI writes until the wait, which
+    # only `start` below may hand out; AD and vmap rules bind it through JAX.
+    start.direct_bind = False
+    return Nonblocking(start, kind, blocking, batch_in, batch_out)
+
+
+# Starts bound while tracing carry a `posted` number (0 otherwise); a Request
+# dropped unwaited adds its numbers here, so that lowering the function that
+# posted it fails instead of compiling a start whose buffers XLA would free
+# while MPI still writes them.
+_posted = itertools.count(1)
+_ABANDONED: set[int] = set()
+
+
+def _refuse_abandoned(operation: str, *, posted: int, **_) -> None:
+    if posted in _ABANDONED:
+        raise ValueError(
+            f"{operation}: its request is never waited; wait for every request "
+            "(comm.wait) before the function that posted it returns"
+        )
+
+
+def _lead(**_):
+    return 0
+
+
+def _rank_axis_first(**_):
+    return 1
+
+
+OPERATIONS: dict[str, Nonblocking] = {
+    op.start.name.removeprefix("jaxcomm_"): op
+    for op in [
+        _declare(_reductions.allreduce_p, COLLECTIVE, _lead, _lead),
+        _declare(_reductions.reduce_scatter_p, COLLECTIVE, _rank_axis_first, _lead),
+        _declare(_collectives.bcast_p, COLLECTIVE, _lead, _lead),
+        _declare(_collectives.allgather_p, COLLECTIVE, _lead, _rank_axis_first),
+        _declare(_collectives.alltoall_p, COLLECTIVE, _rank_axis_first, _rank_axis_first),
+        _declare(_p2p.send_p, SEND, _lead, _lead),
+        _declare(_p2p.recv_p, RECEIVE, _lead, _lead),
+    ]
+}
+
+
+# -- the wait --------------------------------------------------------------------------
+
+
+def _wait_shapes(*operands, operation, **_):
+    kind = OPERATIONS[operation].kind
+    if not kind.pending:
+        return []
+    pending = operands[-1]
+    return [pending, _p2p.STATUS] if kind.status else [pending]
+
+
+wait_p = Primitive("jaxcomm_wait")
+wait_p.multiple_results = True
+
+
+def _wait_impl(*operands, operation, comm, params):
+    # Not through JAX's dispatch: that would copy `pending` (it cannot donate it)
+    # before MPI has written it.
+    request, keep, pending = _split_wait_operands(OPERATIONS[operation].kind, operands)
+    return [jnp.asarray(v) for v in _wait_now(operation, comm, params, pending, request, keep)]
+
+
+wait_p.def_impl(_wait_impl)
+wait_p.def_effectful_abstract_eval(
+    lambda *avals, **params: (_wait_shapes(*avals, **params), {COMM_EFFECT})
+)
+
+
+def _wait_lowering(ctx, request, *buffers, operation, comm, params):
+    kind = OPERATIONS[operation].kind
+    aliases = {len(buffers): 0} if kind.pending else None  # pending, after the request
+    return lower_with_token("jaxcomm_wait", aliases=aliases)(ctx, request, *buffers)
+
+
+def _host_only(ctx, *args, **params):
+    raise NotImplementedError(
+        "jaxcomm's non-blocking operations run on host (CPU) arrays only; on GPU use "
+        "the blocking ones (docs: Non-blocking operations)"
+    )
+
+
+mlir.register_lowering(wait_p, _wait_lowering, platform="cpu")
+for _platform in PLATFORMS:
+    if _platform != "cpu":
+        mlir.register_lowering(wait_p, _host_only, platform=_platform)
+        for _op in OPERATIONS.values():
+            mlir.register_lowering(_op.start, _host_only, platform=_platform)
+
+
+def _wait_operands(kind: Kind, request, keep, pending) -> list:
+    return [request, *([keep] if kind.keep else []), *([pending] if kind.pending else [])]
+
+
+def _bind_wait(operation: str, comm: CommInfo, params: dict, request, keep, pending) -> list:
+    operands = _wait_operands(OPERATIONS[operation].kind, request, keep, pending)
+    return wait_p.bind(
+        *operands, operation=operation, comm=comm, params=tuple(sorted(params.items()))
+    )
+
+
+# -- a posted operation, as the user holds it --------------------------------------------
+
+
+class Request:
+    """A posted non-blocking operation: pass it to ``JaxComm.wait`` exactly once,
+    in the same function (and loop iteration, or branch) that posted it.
+
+    Not a JAX type: it cannot be returned from a jitted function or carried
+    through a loop.
+    """
+
+    def __init__(self, operation, comm, params, parts, tree, return_status=False, posted=()):
+        self.operation = operation
+        self._posted = posted
+        self._comm = comm
+        self._params = params
+        self._parts = parts  # per leaf: (pending, request, keep), None where absent
+        self._tree = tree
+        self._return_status = return_status
+        self._traced = any(
+            isinstance(value, core.Tracer) for part in parts for value in part if value is not None
+        )
+        self.waited = False
+
+    def __repr__(self) -> str:
+        state = "waited" if self.waited else "pending"
+        return f"jaxcomm.Request({self.operation}, {state})"
+
+    def __del__(self):
+        if not getattr(self, "waited", True):
+            if self._traced:
+                _ABANDONED.update(self._posted)
+            elif not MPI.Is_finalized():  # MPI must be done with the buffers first
+                for _, request, _ in self._parts:
+                    cpu.discard(_address(request))
+            warnings.warn(
+                f"jaxcomm: a request of {self.operation} was never waited; every request "
+                "must be waited before the function that posted it returns",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+
+    def wait(self) -> tuple[Any, Any]:
+        """The operation's result, and the (source, tag) array of a receive posted
+        with return_status (else None)."""
+        if self.waited:
+            raise ValueError(f"wait: this request of {self.operation} has already been waited")
+        if self._traced and at_top_level():
+            raise ValueError(
+                f"wait: this request of {self.operation} was posted inside a traced "
+                "function (jit, vmap, grad...), which has returned; wait for it there"
+            )
+        if not self._traced and not at_top_level():
+            raise ValueError(
+                f"wait: this request of {self.operation} was posted outside the traced "
+                "function that waits for it; post and wait in the same function"
+            )
+        self.waited = True
+        waits = _wait_traced if self._traced else _wait_now
+        results, status = [], None
+        for part in self._parts:
+            out = waits(self.operation, self._comm, self._params, *part)
+            if out:
+                results.append(out[0])
+                status = out[1] if len(out) > 1 else status
+        if not OPERATIONS[self.operation].kind.pending:
+            return None, None
+        result = self._tree.unflatten(results)
+        if not self._return_status:
+            return result, None
+        if status is None:  # an empty pytree: nothing arrived
+            status = jnp.array([self._params["source"], self._params["tag"]], np.int32)
+        return result, status
+
+
+def _wait_traced(operation, comm, params, pending, request, keep):
+    return _bind_wait(operation, comm, params, request, keep, pending)
+
+
+def _wait_now(operation, comm, params, pending, request, keep):
+    """Complete a request posted outside any trace, now."""
+    if isinstance(request, jax.Array):
+        request.block_until_ready()  # posted through JAX's dispatch (not the direct path)
+    code, message, source, tag = cpu.complete(_address(request), _address(pending))
+    if code:
+        raise jax.errors.JaxRuntimeError(f"{code}: {message}")
+    if pending is None:
+        return []
+    if isinstance(pending, np.ndarray):
+        pending = _eager.as_array(pending, keep if keep is not None else request)
+    status = np.array([source, tag], np.int32)
+    return [pending, status] if OPERATIONS[operation].kind.status else [pending]
+
+
+def _address(buffer) -> int:
+    if buffer is None:
+        return 0
+    if isinstance(buffer, np.ndarray):
+        return buffer.ctypes.data
+    return buffer.unsafe_buffer_pointer()
+
+
+def start(
+    operation: str, leaves: Sequence[Any], tree, *, comm: CommInfo, return_status=False, **params
+) -> Request:
+    """Post `operation` on each leaf; returns the Request that waits for them all."""
+    op = OPERATIONS[operation]
+    parts, posted = [], []
+    for leaf in leaves:
+        direct = _eager.can_run([leaf])
+        if direct:  # NumPy results, which MPI writes until the wait
+            outputs = list(op.start.eager([leaf], comm, wrapped=0, posted=0, **params))
+        else:
+            number = 0 if at_top_level() else next(_posted)
+            posted.append(number)
+            outputs = list(op.start.bind(leaf, comm=comm, posted=number, **params))
+        pending = outputs.pop(0) if op.kind.pending else None
+        request = outputs.pop(0)
+        # On the direct path MPI reads the leaf's own buffer: hold on to the leaf.
+        keep = outputs.pop(0) if op.kind.keep and not direct else leaf
+        parts.append((pending, request, keep))
+    return Request(operation, comm, params, parts, tree, return_status, tuple(posted))
+
+
+# -- AD ----------------------------------------------------------------------------------
+
+
+def _linear(operation: str, params: dict) -> bool:
+    return params.get("op", ReduceOp.SUM) == ReduceOp.SUM
+
+
+def _start_jvp(operation):
+    op = OPERATIONS[operation]
+
+    def jvp(primals, tangents, **params):
+        (x,), (t,) = primals, tangents
+        outs = op.start.bind(x, **params)
+        zeros = [zero_tangent(v) for v in outs]
+        if not differentiable(x):
+            return outs, zeros
+        if operation == "irecv":
+            _p2p.known_source("irecv", params["source"])
+        if not _linear(operation, params):
+            # The tangent is computed at the wait, from x (kept) and its tangent.
+            zeros[-1] = instantiate(t)
+            return outs, zeros
+        return outs, list(op.start.bind(instantiate(t), **params))
+
+    return jvp
+
+
+def _split_wait_operands(kind: Kind, operands: Sequence[Any]):
+    request, *rest = operands
+    keep = rest.pop(0) if kind.keep else None
+    pending = rest.pop(0) if kind.pending else None
+    return request, keep, pending
+
+
+def _nonlinear_tangent(operation, x, y, t, comm, params):
+    if operation == "iallreduce":
+        return _reductions._allreduce_tangent(x, y, t, comm=comm, **params)
+    return _reductions._reduce_scatter_tangent(x, y, t, comm=comm, **params)
+
+
+def _wait_jvp(primals, tangents, *, operation, comm, params):
+    kind = OPERATIONS[operation].kind
+    outs = wait_p.bind(*primals, operation=operation, comm=comm, params=params)
+    zeros = [zero_tangent(v) for v in outs]
+    t_request, t_keep, _ = _split_wait_operands(kind, tangents)
+    if not kind.pending:
+        if type(t_request) is not ad.Zero:
+            wait_p.bind(*tangents, operation=operation, comm=comm, params=params)
+        return outs, zeros
+    if type(t_request) is not ad.Zero:
+        dots = wait_p.bind(*tangents, operation=operation, comm=comm, params=params)
+        return outs, [dots[0], *zeros[1:]]
+    if type(t_keep) is not ad.Zero and not _linear(operation, dict(params)):
+        _, keep, _ = _split_wait_operands(kind, primals)
+        dot = _nonlinear_tangent(operation, keep, outs[0], t_keep, comm, dict(params))
+        return outs, [dot, *zeros[1:]]
+    return outs, zeros
+
+
+# The adjoint of each operation, as (posted at the wait's transpose, waited at the
+# start's transpose) or, where jaxcomm's gradient convention needs no message, a
+# local function of the cotangent.
+class Adjoint(NamedTuple):
+    operation: str | None  # the non-blocking operation that carries the cotangent
+    params: Callable[..., dict] = lambda **p: p
+    after: Callable[..., Any] = lambda ct, **_: ct  # applied to the waited cotangent
+    local: Callable[..., Any] | None = None  # ct -> cotangent of x, no message
+
+
+def _replicated(ct, comm, operation):
+    ct = _reductions.replicated_cotangent(ct, comm=comm, operation=operation)
+    return _reductions.pvary(ct, comm=comm)
+
+
+def _from_any_tag(**p):
+    return {"source": p["dest"], "tag": MPI.ANY_TAG}
+
+
+def _reply(**p):
+    _p2p.known_source("irecv", p["source"])
+    return {"dest": p["source"], "tag": _p2p.reply_tag(p["tag"])}
+
+
+ADJOINTS: dict[str, Adjoint] = {
+    "iallreduce": Adjoint(None, local=lambda ct, comm, **_: _replicated(ct, comm, "iallreduce")),
+    "ibcast": Adjoint(
+        None,
+        local=lambda ct, comm, root: on_rank(comm.rank == root, _replicated(ct, comm, "ibcast")),
+    ),
+    "iallgather": Adjoint(
+        None, local=lambda ct, comm: _replicated(ct, comm, "iallgather")[comm.rank]
+    ),
+    "ialltoall": Adjoint("ialltoall"),
+    "ireduce_scatter": Adjoint(
+        "iallgather",
+        params=lambda **_: {},
+        after=lambda ct, comm: _reductions.pvary(ct, comm=comm),
+    ),
+    "isend": Adjoint("irecv", params=_from_any_tag),
+    "irecv": Adjoint("isend", params=_reply),
+}
+
+
+def _wait_transpose(cts, *operands, operation, comm, params):
+    kind = OPERATIONS[operation].kind
+    params = dict(params)
+    adjoint = ADJOINTS[operation]
+    ct = instantiate(cts[0]) if kind.pending else None
+    zero = [ad.Zero(v.aval) for v in operands]
+    request_ct, keep_ct, pending_ct = _split_wait_operands(kind, zero)
+    if not _linear(operation, params):
+        raise NotImplementedError(f"{operation}: op={params['op'].name} is not linear")
+    if adjoint.local is not None:
+        keep_ct = adjoint.local(ct, comm=comm, **params)
+    else:
+        target = OPERATIONS[adjoint.operation]
+        source = ct
+        if source is None:  # isend: the cotangent comes back into a buffer like x
+            source = jnp.zeros(operands[1].aval.shape, operands[1].aval.dtype)
+        a_params = {**adjoint.params(**params), "posted": 0}
+        outs = list(target.start.bind(source, comm=comm, **a_params))
+        a_pending = outs.pop(0) if target.kind.pending else None
+        request_ct = outs.pop(0)
+        a_keep = outs.pop(0) if target.kind.keep else None
+        # The adjoint's result has x's shape and its kept data the result's, so they
+        # travel back to the start's transpose as the cotangents of keep and pending.
+        if kind.keep:
+            keep_ct = a_pending
+        if kind.pending:
+            pending_ct = a_keep
+    return [
+        v
+        for v, present in zip(
+            (request_ct, keep_ct, pending_ct), (True, kind.keep, kind.pending), strict=True
+        )
+        if present
+    ]
+
+
+def _start_transpose(operation):
+    op = OPERATIONS[operation]
+    adjoint = ADJOINTS[operation]
+
+    def transpose(cts, x, *, comm, **params):
+        cts = list(cts)
+        pending_ct = cts.pop(0) if op.kind.pending else None
+        request_ct = cts.pop(0)
+        keep_ct = cts.pop(0) if op.kind.keep else None
+        if adjoint.local is not None:
+            return [instantiate(keep_ct)]
+        target = adjoint.operation
+        a_kind = OPERATIONS[target].kind
+        a_params = adjoint.params(**params)
+        # As the wait's transpose passed them: the adjoint's pending came as keep's
+        # cotangent, its kept data as pending's.
+        outs = _bind_wait(target, comm, a_params, request_ct, pending_ct, keep_ct)
+        if not a_kind.pending:
+            return [None]
+        return [adjoint.after(outs[0], comm=comm)]
+
+    return transpose
+
+
+# -- batching: one MPI call for the whole batch, in the blocking op's layout -------------
+
+
+def _start_batch(operation):
+    op = OPERATIONS[operation]
+
+    def rule(args, dims, *, comm, **params):
+        (x,), (dim,) = args, dims
+        at = op.batch_in(comm=comm, **params)
+        outs = op.start.bind(move_batch(x, dim, at), comm=comm, **params)
+        out_dims = [op.batch_out(comm=comm, **params)] if op.kind.pending else []
+        return outs, [*out_dims, None, *([at] if op.kind.keep else [])]
+
+    return rule
+
+
+def _wait_batch(args, dims, *, operation, comm, params):
+    kind = OPERATIONS[operation].kind
+    if dims[0] is not None:
+        raise ValueError(f"wait: the request of {operation} cannot be batched")
+    outs = wait_p.bind(*args, operation=operation, comm=comm, params=params)
+    return outs, ([dims[-1]] if kind.pending else []) + ([None] if kind.status else [])
+
+
+for _name, _op in OPERATIONS.items():
+    define_rules(
+        _op.start,
+        jvp=_start_jvp(_name),
+        transpose=_start_transpose(_name),
+        batch=_start_batch(_name),
+    )
+define_rules(wait_p, jvp=_wait_jvp, transpose=_wait_transpose, batch=_wait_batch)
