@@ -315,35 +315,39 @@ ffi::Error Ibcast(Token, Buffer x, TokenOut, Result out, Result request, Result 
   return post(request->untyped_data(), std::move(pending));
 }
 
-ffi::Error Iallgather(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
-                      int64_t comm_key, bool check) {
-  Call call(comm_key, check, "iallgather", x.element_type(), x.dimensions());
+namespace {
+
+// iallgather and ialltoall: one block per rank each way (MPI's functions share a
+// signature).
+template <bool kAlltoall>
+ffi::Error exchange_blocks(const Buffer& x, Result& out, Result& request, int64_t comm_key,
+                           bool check) {
+  constexpr std::string_view name = kAlltoall ? "ialltoall" : "iallgather";
+  Call call(comm_key, check, name, x.element_type(), x.dimensions());
   MPI_Datatype type;
   if (auto err = start(call, x, &type); err.failure()) return err;
   MPI_Comm comm = call.comm();
   // MPI lets a datatype be freed (Block's destructor) while a request uses it.
-  Block block(x.element_count(), type);
-  Pending pending = pending_into("iallgather", comm_key, check, out);
+  Block block(x.element_count() / (kAlltoall ? comm_size(comm) : 1), type);
+  Pending pending = pending_into(name, comm_key, check, out);
+  auto* post_blocks = kAlltoall ? &MPI_Ialltoall : &MPI_Iallgather;
   JAXCOMM_CHECK_MPI(
-      MPI_Iallgather(x.untyped_data(), block.count(), block.type(), out->untyped_data(),
-                     block.count(), block.type(), comm, &pending.requests.emplace_back()),
-      "iallgather", comm);
+      post_blocks(x.untyped_data(), block.count(), block.type(), out->untyped_data(), block.count(),
+                  block.type(), comm, &pending.requests.emplace_back()),
+      name, comm);
   return post(request->untyped_data(), std::move(pending));
+}
+
+}  // namespace
+
+ffi::Error Iallgather(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
+                      int64_t comm_key, bool check) {
+  return exchange_blocks<false>(x, out, request, comm_key, check);
 }
 
 ffi::Error Ialltoall(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
                      int64_t comm_key, bool check) {
-  Call call(comm_key, check, "ialltoall", x.element_type(), x.dimensions());
-  MPI_Datatype type;
-  if (auto err = start(call, x, &type); err.failure()) return err;
-  MPI_Comm comm = call.comm();
-  Block block(x.element_count() / comm_size(comm), type);
-  Pending pending = pending_into("ialltoall", comm_key, check, out);
-  JAXCOMM_CHECK_MPI(
-      MPI_Ialltoall(x.untyped_data(), block.count(), block.type(), out->untyped_data(),
-                    block.count(), block.type(), comm, &pending.requests.emplace_back()),
-      "ialltoall", comm);
-  return post(request->untyped_data(), std::move(pending));
+  return exchange_blocks<true>(x, out, request, comm_key, check);
 }
 
 }  // namespace jaxcomm::host

@@ -139,6 +139,17 @@ const char* error_code_name(std::optional<ffi::ErrorCode> code) {
 
 using EagerRun = ffi::Error (*)(EagerArguments&);
 
+// Polled waits on the Python thread give up when a signal handler raises
+// (Ctrl-C's KeyboardInterrupt); the caller then raises that exception.
+bool python_interrupted() {
+  nb::gil_scoped_acquire locked;
+  return PyErr_CheckSignals() != 0;
+}
+
+void raise_if_interrupted() {
+  if (PyErr_Occurred()) throw nb::python_error();
+}
+
 template <auto Function>
 struct Eager;
 
@@ -147,6 +158,7 @@ struct Eager<Function> {
   static ffi::Error Run(EagerArguments& arguments) {
     std::tuple<Args...> args{arguments.template next<Args>()...};  // braces: left to right
     nb::gil_scoped_release unlocked;                               // MPI may wait for other ranks
+    host::CheckInterrupts interrupts(&python_interrupted);
     return std::apply(Function, args);
   }
 };
@@ -198,6 +210,7 @@ class EagerCall {
       EagerArguments arguments(inputs, input_codes_, outputs, output_codes_, attrs_);
       error = run_(arguments);
     }
+    raise_if_interrupted();
     if (!error.success()) {
       fail_(error_code_name(error.errc()), error.message());
       throw std::runtime_error("jaxcomm eager call: fail() returned");
@@ -225,9 +238,11 @@ std::tuple<std::string, std::string, int, int> complete(uintptr_t request, uintp
   ffi::Error error = ffi::Error::Success();
   {
     nb::gil_scoped_release unlocked;
+    host::CheckInterrupts interrupts(&python_interrupted);
     error = host::complete(reinterpret_cast<const void*>(request),
                            reinterpret_cast<const void*>(out), status);
   }
+  raise_if_interrupted();
   if (!error.success()) return {error_code_name(error.errc()), error.message(), 0, 0};
   return {"", "", status[0], status[1]};
 }

@@ -23,6 +23,8 @@ Table& table() {
   return t;
 }
 
+thread_local bool (*interrupt_check)() = nullptr;
+
 std::string wait_name(std::string_view operation) { return "wait(" + std::string(operation) + ")"; }
 
 void drop(Pending& pending) {
@@ -38,8 +40,11 @@ void drop(Pending& pending) {
 // which costs more than a small message itself; polling MPI_Testall does not,
 // and yielding after kPollsBeforeYield leaves a shared core to the other ranks
 // when the wait is long.
-int wait_all(int n, MPI_Request* requests, MPI_Status* statuses) {
+// An interrupt check takes the GIL: a few microseconds every kPollsPerCheck
+// polls (a millisecond or so) costs a long wait nothing and answers Ctrl-C at once.
+int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, bool cancellable) {
   constexpr int kPollsBeforeYield = 1000;
+  constexpr int kPollsPerCheck = 4096;
   for (int polls = 0;; ++polls) {
     int done = 0;
     const int code = MPI_Testall(n, requests, &done, statuses);
@@ -50,8 +55,20 @@ int wait_all(int n, MPI_Request* requests, MPI_Status* statuses) {
     }
     if (code != MPI_SUCCESS || done) return code;
     if (polls >= kPollsBeforeYield) std::this_thread::yield();
+    if (cancellable && interrupt_check != nullptr && polls % kPollsPerCheck == kPollsPerCheck - 1 &&
+        interrupt_check()) {
+      // Cancelled requests complete locally; then MPI no longer uses the buffers.
+      for (int i = 0; i < n; ++i) abandon(&requests[i]);
+      return MPI_ERR_OTHER;
+    }
   }
 }
+
+CheckInterrupts::CheckInterrupts(bool (*interrupted)()) : previous_(interrupt_check) {
+  interrupt_check = interrupted;
+}
+
+CheckInterrupts::~CheckInterrupts() { interrupt_check = previous_; }
 
 void abandon(MPI_Request* request) {
   MPI_Cancel(request);
@@ -112,7 +129,8 @@ ffi::Error complete(const void* key, const void* out, int32_t* status) {
     statuses[0].MPI_SOURCE = MPI_PROC_NULL;
     statuses[0].MPI_TAG = MPI_ANY_TAG;
   }
-  JAXCOMM_CHECK_MPI(wait_all(n, pending.requests.data(), statuses.data()), name, call.comm());
+  JAXCOMM_CHECK_MPI(wait_all(n, pending.requests.data(), statuses.data(), pending.cancellable),
+                    name, call.comm());
   if (out != nullptr && pending.out != nullptr && out != pending.out)
     return ffi::Error(ffi::ErrorCode::kInternal,
                       "jaxcomm: " + name +

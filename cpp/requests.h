@@ -22,8 +22,23 @@ namespace jaxcomm::host {
 namespace ffi = xla::ffi;
 
 // Waits for `n` requests by polling MPI_Testall, leaving the core to other ranks
-// between polls once the wait is long. Returns an MPI error code.
-int wait_all(int n, MPI_Request* requests, MPI_Status* statuses);
+// between polls once the wait is long. Returns an MPI error code; MPI_ERR_OTHER
+// if this thread's interrupt check (below) fired, after cancelling the requests
+// (only point-to-point requests are `cancellable`: MPI cannot cancel collectives).
+int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, bool cancellable = true);
+
+// While it lives, waits on this thread ask `interrupted()` now and then whether
+// to give up (the eager path: a KeyboardInterrupt on the Python thread).
+class CheckInterrupts {
+ public:
+  explicit CheckInterrupts(bool (*interrupted)());
+  ~CheckInterrupts();
+  CheckInterrupts(const CheckInterrupts&) = delete;
+  CheckInterrupts& operator=(const CheckInterrupts&) = delete;
+
+ private:
+  bool (*previous_)();
+};
 
 // Cancels a request and waits until it is cancelled or complete: until then MPI
 // may still use its buffer.

@@ -2,6 +2,8 @@
 
 import gc
 import os
+import signal
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -59,3 +61,20 @@ def test_ten_thousand_small_ops_do_not_grow_memory(comm):
     gc.collect()
     assert_values(x, np.ones(4, FLOAT))
     assert resident_bytes() - before < 16 << 20
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["recv", "irecv"])
+def test_ctrl_c_interrupts_an_eager_wait(comm, blocking):
+    """A receive that nothing matches gives way to KeyboardInterrupt, and is
+    cancelled: the next message with its tag goes to the next receive."""
+    alarm = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    alarm.start()
+    with pytest.raises(KeyboardInterrupt):
+        if blocking:
+            comm.recv(jnp.zeros(3), source=comm.rank, tag=77)
+        else:
+            comm.wait(comm.irecv(jnp.zeros(3), source=comm.rank, tag=77))
+    alarm.join()
+    receive = comm.irecv(jnp.zeros(3), source=comm.rank, tag=77)
+    comm.send(jnp.full(3, 5.0), dest=comm.rank, tag=77)
+    np.testing.assert_array_equal(comm.wait(receive), 5.0)
