@@ -38,18 +38,23 @@ COLLECTIVES = {
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", COLLECTIVES)
 def test_collective_values(comm, name, mode, dtype):
-    post, blocking, shape = COLLECTIVES[name]
-    op = MPI.MAX if name.endswith("_max") else MPI.SUM
+    post, _, shape = COLLECTIVES[name]
     if dtype == "bool" and name in ("iallreduce", "ireduce_scatter"):
         pytest.skip("SUM is not defined for bool")
     if dtype == "complex64" and name == "iallreduce_max":
         pytest.skip("MAX is not defined for complex")
     xs = inputs(comm, shape(comm.size), dtype)
     out = run(mode, lambda x: comm.wait(post(comm, x)), xs[comm.rank])
+    assert_values(out, expected(comm, name, xs))
+
+
+def expected(comm, name, xs):
+    """What COLLECTIVES[name] gives on this rank when rank r passes xs[r]."""
+    blocking = COLLECTIVES[name][1]
     kwargs = {"root": comm.size - 1} if blocking == "bcast" else {}
     if blocking in ("allreduce", "reduce_scatter"):
-        kwargs["op"] = jaxcomm.ReduceOp.MAX if op == MPI.MAX else jaxcomm.ReduceOp.SUM
-    assert_values(out, expected_collective(blocking, comm.rank, xs, **kwargs))
+        kwargs["op"] = jaxcomm.ReduceOp.MAX if name.endswith("_max") else jaxcomm.ReduceOp.SUM
+    return expected_collective(blocking, comm.rank, xs, **kwargs)
 
 
 def test_logical_reduction_gives_zero_or_one(comm):
@@ -165,9 +170,9 @@ def test_in_both_branches_of_cond(comm):
     assert_values(out[1], np.full(2, -total, FLOAT))
 
 
-@pytest.mark.parametrize("name", ["iallreduce", "ialltoall", "iallgather", "ireduce_scatter"])
+@pytest.mark.parametrize("name", sorted(COLLECTIVES))
 def test_vmap_is_one_message(comm, name):
-    post, blocking, shape = COLLECTIVES[name]
+    post, _, shape = COLLECTIVES[name]
     batch = [inputs(comm, shape(comm.size), "float32") for _ in range(3)]
     batch = [[x + 10 * b for x in xs] for b, xs in enumerate(batch)]
     stacked = jnp.stack([xs[comm.rank] for xs in batch])
@@ -175,7 +180,20 @@ def test_vmap_is_one_message(comm, name):
     out = jax.vmap(lambda x: comm.wait(post(comm, x)))(stacked)
     assert jaxcomm._native.cpu.call_count() - before == 2  # one start and one wait
     for b, xs in enumerate(batch):
-        assert_values(out[b], expected_collective(blocking, comm.rank, xs))
+        assert_values(out[b], expected(comm, name, xs))
+
+
+def test_vmap_of_a_ring_shift(comm):
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+
+    def shift(x):
+        received = comm.irecv(x, source=left, tag=2)
+        comm.wait(comm.isend(x, dest=right, tag=2))
+        return comm.wait(received)
+
+    batch = np.stack([rank_data(comm.rank, (3,), "float32") + b for b in range(4)])
+    out = jax.jit(jax.vmap(shift, in_axes=1, out_axes=1))(batch.T)
+    assert_values(out.T, np.stack([rank_data(left, (3,), "float32") + b for b in range(4)]))
 
 
 def test_result_stays_where_mpi_writes_it(comm):
