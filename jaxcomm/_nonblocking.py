@@ -79,13 +79,13 @@ class Nonblocking(NamedTuple):
 
     start: CommPrimitive
     kind: Kind
-    blocking: CommPrimitive
-    # Batch axis of x for the start, and of its result: the blocking op's layout.
-    batch_in: Callable[..., int]
-    batch_out: Callable[..., int]
+    # Batch axis of x for the start, and of its result: the blocking op's layout
+    # (a rank axis stays leading, so each rank's rows are contiguous).
+    batch_in: int
+    batch_out: int
 
 
-def _declare(blocking: CommPrimitive, kind: Kind, batch_in, batch_out) -> Nonblocking:
+def _declare(blocking: CommPrimitive, kind: Kind, batch_in=0, batch_out=0) -> Nonblocking:
     def abstract_eval(x, **params):
         results = blocking.result_types(x, **params)[:1] if kind.pending else []
         return [*results, REQUEST, *([x] if kind.keep else [])]
@@ -103,7 +103,7 @@ def _declare(blocking: CommPrimitive, kind: Kind, batch_in, batch_out) -> Nonblo
     # Its direct path returns NumPy buffers that MPI writes until the wait, which
     # only `start` below may hand out; AD and vmap rules bind it through JAX.
     start.direct_bind = False
-    return Nonblocking(start, kind, blocking, batch_in, batch_out)
+    return Nonblocking(start, kind, batch_in, batch_out)
 
 
 # Starts bound while tracing carry a `posted` number (0 otherwise); a Request
@@ -122,24 +122,16 @@ def _refuse_abandoned(operation: str, *, posted: int, **_) -> None:
         )
 
 
-def _lead(**_):
-    return 0
-
-
-def _rank_axis_first(**_):
-    return 1
-
-
 OPERATIONS: dict[str, Nonblocking] = {
     op.start.name.removeprefix("jaxcomm_"): op
     for op in [
-        _declare(_reductions.allreduce_p, COLLECTIVE, _lead, _lead),
-        _declare(_reductions.reduce_scatter_p, COLLECTIVE, _rank_axis_first, _lead),
-        _declare(_collectives.bcast_p, COLLECTIVE, _lead, _lead),
-        _declare(_collectives.allgather_p, COLLECTIVE, _lead, _rank_axis_first),
-        _declare(_collectives.alltoall_p, COLLECTIVE, _rank_axis_first, _rank_axis_first),
-        _declare(_p2p.send_p, SEND, _lead, _lead),
-        _declare(_p2p.recv_p, RECEIVE, _lead, _lead),
+        _declare(_reductions.allreduce_p, COLLECTIVE),
+        _declare(_reductions.reduce_scatter_p, COLLECTIVE, batch_in=1),
+        _declare(_collectives.bcast_p, COLLECTIVE),
+        _declare(_collectives.allgather_p, COLLECTIVE, batch_out=1),
+        _declare(_collectives.alltoall_p, COLLECTIVE, batch_in=1, batch_out=1),
+        _declare(_p2p.send_p, SEND),
+        _declare(_p2p.recv_p, RECEIVE),
     ]
 }
 
@@ -499,10 +491,9 @@ def _start_batch(operation):
 
     def rule(args, dims, *, comm, **params):
         (x,), (dim,) = args, dims
-        at = op.batch_in(comm=comm, **params)
-        outs = op.start.bind(move_batch(x, dim, at), comm=comm, **params)
-        out_dims = [op.batch_out(comm=comm, **params)] if op.kind.pending else []
-        return outs, [*out_dims, None, *([at] if op.kind.keep else [])]
+        outs = op.start.bind(move_batch(x, dim, op.batch_in), comm=comm, **params)
+        out_dims = [op.batch_out] if op.kind.pending else []
+        return outs, [*out_dims, None, *([op.batch_in] if op.kind.keep else [])]
 
     return rule
 
