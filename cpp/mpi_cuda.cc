@@ -9,10 +9,10 @@
 //   nothing is allocated per call.
 // - CUDA-aware: after synchronising the stream, device pointers go straight to
 //   MPI; what the host code writes into buffers itself (copies, fills, exscan's
-//   identity) goes through DeviceMemory on the stream. Two kinds of call stay
-//   staged (see `direct` below): float16/bfloat16 reductions, whose MPI operators
-//   are jaxcomm's own host functions, and checking mode's check_replicated, which
-//   compares values on the host.
+//   identity) goes through DeviceMemory on the stream. Some calls stay staged
+//   (see `direct` below): float16/bfloat16 reductions, whose MPI operators are
+//   jaxcomm's own host functions, checking mode's check_replicated, which
+//   compares values on the host, and tagged_sendrecv, which reads its tags there.
 #include <cuda_runtime_api.h>
 #include <mpi.h>
 #include <nanobind/nanobind.h>
@@ -261,7 +261,7 @@ enum class Pointers { kDevice, kDeviceUnlessHalfFloat, kHost };
 
 // Which pointers a CUDA-aware call hands to MPI.
 constexpr Pointers pointers_for(std::string_view op) {
-  if (op == "check_replicated") return Pointers::kHost;
+  if (op == "check_replicated" || op == "tagged_sendrecv") return Pointers::kHost;
   if (op == "allreduce" || op == "reduce" || op == "scan" || op == "exscan" ||
       op == "reduce_scatter")
     return Pointers::kDeviceUnlessHalfFloat;

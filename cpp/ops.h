@@ -42,6 +42,9 @@ ffi::Error Recv(Token, Buffer like, TokenOut, Result out, Status status, int64_t
                 int32_t source, int32_t tag);
 ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm, bool check,
                     int32_t source, int32_t dest, int32_t sendtag, int32_t recvtag);
+// sendrecv with (sendtag, recvtag) read from the int32[2] array `tags`.
+ffi::Error TaggedSendrecv(Token, Buffer x, Buffer tags, TokenOut, Result out, Status status,
+                          int64_t comm, bool check, int32_t source, int32_t dest);
 ffi::Error Barrier(Token, TokenOut, int64_t comm, bool check);
 // Non-blocking starts (host memory only): each posts MPI's I-form and returns a
 // one-element `request` buffer for Wait (requests.h); `keep` is x passed through.
@@ -120,6 +123,15 @@ auto receiving(Binding&& base) {
         .Attr<int32_t>("dest")                                                         \
         .Attr<int32_t>("sendtag")                                                      \
         .Attr<int32_t>("recvtag"))                                                     \
+  X(tagged_sendrecv, TaggedSendrecv,                                                   \
+    with_comm(base.Arg<host::Token>()                                                  \
+                  .Arg<host::Buffer>()                                                 \
+                  .Arg<host::Buffer>()                                                 \
+                  .Ret<host::Token>()                                                  \
+                  .Ret<host::Buffer>()                                                 \
+                  .Ret<host::StatusBuffer>())                                          \
+        .Attr<int32_t>("source")                                                       \
+        .Attr<int32_t>("dest"))                                                        \
   X(barrier, Barrier, with_comm(base.Arg<host::Token>().Ret<host::Token>()))           \
   X(check_replicated, CheckReplicated, unary(base).Attr<std::string_view>("operation"))
 

@@ -189,6 +189,20 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
   return ffi::Error::Success();
 }
 
+// `tags` holds (sendtag, recvtag), computed at run time: the AD rules of receives
+// from MPI_ANY_TAG pass the tag each message came with, so that its cotangent
+// goes back with that tag and is paired with it (jaxcomm/_p2p.py).
+ffi::Error TaggedSendrecv(Token token, Buffer x, Buffer tags, TokenOut token_out, Result out,
+                          Status status, int64_t comm_key, bool check, int32_t source,
+                          int32_t dest) {
+  if (tags.element_type() != ffi::DataType::S32 || tags.element_count() != 2)
+    return invalid_argument("sendrecv", "tags must be int32[2]");
+  const auto* tag = static_cast<const int32_t*>(tags.untyped_data());
+  // The status of a receive from MPI_PROC_NULL holds MPI_ANY_TAG, which no send takes.
+  const int32_t sendtag = dest == MPI_PROC_NULL ? 0 : tag[0];
+  return Sendrecv(token, x, token_out, out, status, comm_key, check, source, dest, sendtag, tag[1]);
+}
+
 ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result /*keep*/, int64_t comm_key,
                  bool check, int32_t dest, int32_t tag) {
   Call call(comm_key, check, "isend", x.element_type(), x.dimensions());

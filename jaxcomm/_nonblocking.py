@@ -218,6 +218,8 @@ class Request:
         self._traced = any(
             isinstance(value, core.Tracer) for part in parts for value in part if value is not None
         )
+        # Eager AD posts an operation on constants (no tangent) without tracing it.
+        self._at_top_level = at_top_level()
         self.waited = False
 
     def __repr__(self) -> str:
@@ -248,7 +250,7 @@ class Request:
                 f"wait: this request of {self.operation} was posted inside a traced "
                 "function (jit, vmap, grad...), which has returned; wait for it there"
             )
-        if not self._traced and not at_top_level():
+        if self._at_top_level and not at_top_level():
             raise ValueError(
                 f"wait: this request of {self.operation} was posted outside the traced "
                 "function that waits for it; post and wait in the same function"
@@ -338,6 +340,11 @@ def _start_jvp(operation):
             return outs, zeros
         if operation == "irecv":
             _p2p.known_source("irecv", params["source"])
+            if _p2p.tag_unknown(params["source"], params["tag"]):
+                # Received at the wait, with the tag the primal message came with
+                # (which the reverse pass needs): the template's tangent waits there.
+                zeros[0] = instantiate(t)
+                return outs, zeros
         if not _linear(operation, params):
             # The tangent is computed at the wait, from x (kept) and its tangent.
             zeros[-1] = instantiate(t)
@@ -372,6 +379,13 @@ def _wait_jvp(primals, tangents, *, operation, comm, params):
     if type(t_request) is not ad.Zero:
         dots = wait_p.bind(*tangents, operation=operation, comm=comm, params=params)
         return outs, [dots[0], *zeros[1:]]
+    if operation == "irecv" and type(tangents[-1]) is not ad.Zero:  # from ANY_TAG
+        t = instantiate(tangents[-1])
+        source = dict(params)["source"]
+        dot = _p2p.any_tag_tangent(
+            t, outs[1], comm=comm, shape=t.shape, source=source, dest=MPI.PROC_NULL, sendtag=0
+        )
+        return outs, [dot, *zeros[1:]]
     if type(t_keep) is not ad.Zero and not _linear(operation, dict(params)):
         _, keep, _ = _split_wait_operands(kind, primals)
         dot = _nonlinear_tangent(operation, keep, outs[0], t_keep, comm, dict(params))
@@ -394,13 +408,13 @@ def _replicated(ct, comm, operation):
     return _reductions.pvary(ct, comm=comm)
 
 
-def _from_any_tag(**p):
-    return {"source": p["dest"], "tag": MPI.ANY_TAG}
+def _from_dest(**p):
+    return {"source": p["dest"], "tag": p["tag"]}
 
 
 def _reply(**p):
     _p2p.known_source("irecv", p["source"])
-    return {"dest": p["source"], "tag": _p2p.reply_tag(p["tag"])}
+    return {"dest": p["source"], "tag": _p2p.known_tag("irecv", p["source"], p["tag"])}
 
 
 ADJOINTS: dict[str, Adjoint] = {
@@ -418,7 +432,7 @@ ADJOINTS: dict[str, Adjoint] = {
         params=lambda **_: {},
         after=lambda ct, comm: _reductions.pvary(ct, comm=comm),
     ),
-    "isend": Adjoint("irecv", params=_from_any_tag),
+    "isend": Adjoint("irecv", params=_from_dest),
     "irecv": Adjoint("isend", params=_reply),
 }
 

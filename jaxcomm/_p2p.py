@@ -4,13 +4,16 @@ recv and sendrecv also return a status array int32[2] = (source, tag) of the
 received message, so ANY_SOURCE/ANY_TAG callers can learn them inside jit.
 
 Adjoints: send transposes to a receive from dest, recv to a send to source,
-sendrecv to the reversed exchange. Transposed messages are received with
-ANY_TAG and matched in order (MPI never reorders messages between two ranks on
-one communicator), so they need no tag bookkeeping across ranks.
+sendrecv to the reversed exchange. A cotangent travels with the tag of the
+message it belongs to, so transposed messages pair up by tag as the primal ones
+did (a receive may pick messages out of order by tag). A receive from ANY_TAG
+learns that tag only at run time: its tangent is a `tagged_sendrecv`, whose tags
+are an operand, built from the primal message's status.
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 from jax import core
 from mpi4py import MPI
@@ -50,6 +53,15 @@ sendrecv_p = comm_primitive(
 barrier_p = comm_primitive("barrier", lambda **_: [])
 
 
+def _tagged_shape(x, tags, *, shape, dtype, **_):
+    return [core.ShapedArray(shape, dtype), STATUS]
+
+
+# sendrecv whose (sendtag, recvtag) are an int32[2] operand: the AD of receives
+# from ANY_TAG (see any_tag_tangent). Never in place, as sendrecv.
+tagged_sendrecv_p = comm_primitive("tagged_sendrecv", _tagged_shape, attrs=("source", "dest"))
+
+
 def send(x, *, comm: CommInfo, dest: int, tag: int) -> None:
     send_p.bind(x, comm=comm, dest=dest, tag=tag)
 
@@ -77,6 +89,14 @@ def sendrecv(
     return out, status
 
 
+def tagged_sendrecv(x, tags, *, comm: CommInfo, shape, dtype, source: int, dest: int):
+    """sendrecv with tags = int32[2] (sendtag, recvtag), known at run time."""
+    out, status = tagged_sendrecv_p.bind(
+        x, tags, comm=comm, shape=tuple(shape), dtype=np.dtype(dtype), source=source, dest=dest
+    )
+    return out, status
+
+
 def barrier(*, comm: CommInfo) -> None:
     barrier_p.bind(comm=comm)
 
@@ -93,8 +113,32 @@ def known_source(operation: str, source: int) -> None:
         )
 
 
-def reply_tag(tag: int) -> int:
-    return 0 if tag == MPI.ANY_TAG else tag
+def known_tag(operation: str, source: int, tag: int) -> int:
+    """The tag a cotangent goes back with: the received message's."""
+    if source == MPI.PROC_NULL:
+        return 0  # nothing was received, nothing goes back
+    if tag == MPI.ANY_TAG:
+        raise ValueError(
+            f"{operation}: transposing a receive from MPI.ANY_TAG needs the tag the "
+            "message came with; pass the tag explicitly (jax.grad and jax.vjp carry it "
+            "themselves)"
+        )
+    return tag
+
+
+def tag_unknown(source: int, tag: int) -> bool:
+    """Whether a receive learns its message's tag only at run time."""
+    return tag == MPI.ANY_TAG and source != MPI.PROC_NULL
+
+
+def any_tag_tangent(t, status, *, comm, shape, source, dest, sendtag):
+    """The tangent of a receive from ANY_TAG (and of a send to dest, if any): received
+    with the tag the primal message came with, which the transpose sends it back with."""
+    tags = jnp.stack([jnp.int32(sendtag), status[1]])
+    dot, _ = tagged_sendrecv(
+        t, tags, comm=comm, shape=shape, dtype=t.dtype, source=source, dest=dest
+    )
+    return dot
 
 
 def _send_jvp(primals, tangents, **params):
@@ -106,7 +150,7 @@ def _send_jvp(primals, tangents, **params):
 
 def _send_transpose(cts, x, *, comm, dest, tag):
     like = np.zeros(x.aval.shape, x.aval.dtype)
-    ct, _ = recv(like, comm=comm, source=dest, tag=MPI.ANY_TAG)
+    ct, _ = recv(like, comm=comm, source=dest, tag=tag)
     return [ct]
 
 
@@ -115,22 +159,35 @@ def _recv_jvp(primals, tangents, *, comm, source, tag):
     if not differentiable(out):
         return [out, status], [zero_tangent(out), zero_tangent(status)]
     known_source("recv", source)
-    dot, _ = recv_p.bind(instantiate(tangents[0]), comm=comm, source=source, tag=tag)
+    t = instantiate(tangents[0])
+    if tag_unknown(source, tag):
+        dot = any_tag_tangent(
+            t, status, comm=comm, shape=t.shape, source=source, dest=MPI.PROC_NULL, sendtag=0
+        )
+    else:
+        dot, _ = recv_p.bind(t, comm=comm, source=source, tag=tag)
     return [out, status], [dot, zero_tangent(status)]
 
 
 def _recv_transpose(cts, like, *, comm, source, tag):
     known_source("recv", source)
-    send(instantiate(cts[0]), comm=comm, dest=source, tag=reply_tag(tag))
+    send(instantiate(cts[0]), comm=comm, dest=source, tag=known_tag("recv", source, tag))
     return [None]
 
 
-def _sendrecv_jvp(primals, tangents, **params):
-    out, status = sendrecv_p.bind(*primals, **params)
+def _sendrecv_jvp(primals, tangents, *, comm, shape, dtype, source, dest, sendtag, recvtag):
+    params = dict(source=source, dest=dest, sendtag=sendtag, recvtag=recvtag)
+    out, status = sendrecv_p.bind(*primals, comm=comm, shape=shape, dtype=dtype, **params)
     if not (differentiable(primals[0]) and differentiable(out)):
         return [out, status], [zero_tangent(out), zero_tangent(status)]
-    known_source("sendrecv", params["source"])
-    dot, _ = sendrecv_p.bind(instantiate(tangents[0]), **params)
+    known_source("sendrecv", source)
+    t = instantiate(tangents[0])
+    if tag_unknown(source, recvtag):
+        dot = any_tag_tangent(
+            t, status, comm=comm, shape=shape, source=source, dest=dest, sendtag=sendtag
+        )
+    else:
+        dot, _ = sendrecv_p.bind(t, comm=comm, shape=shape, dtype=dtype, **params)
     return [out, status], [dot, zero_tangent(status)]
 
 
@@ -143,10 +200,35 @@ def _sendrecv_transpose(cts, x, *, comm, shape, dtype, source, dest, sendtag, re
         dtype=x.aval.dtype,
         source=dest,
         dest=source,
-        sendtag=reply_tag(recvtag),
-        recvtag=MPI.ANY_TAG,
+        sendtag=known_tag("sendrecv", source, recvtag),
+        recvtag=sendtag,
     )
     return [ct]
+
+
+def _tagged_jvp(primals, tangents, **params):
+    (x, tags), (t, _) = primals, tangents
+    out, status = tagged_sendrecv_p.bind(x, tags, **params)
+    if not (differentiable(x) and differentiable(out)):
+        return [out, status], [zero_tangent(out), zero_tangent(status)]
+    dot, _ = tagged_sendrecv_p.bind(instantiate(t), tags, **params)  # the same tags
+    return [out, status], [dot, zero_tangent(status)]
+
+
+def _tagged_transpose(cts, x, tags, *, comm, shape, dtype, source, dest):
+    # Each cotangent goes back with its message's tag: to source with recvtag, and
+    # from dest with sendtag. Where nothing was sent, nothing comes back.
+    sent = dest != MPI.PROC_NULL
+    ct, _ = tagged_sendrecv(
+        instantiate(cts[0]),
+        tags[::-1],
+        comm=comm,
+        shape=x.aval.shape if sent else (0,),
+        dtype=x.aval.dtype,
+        source=dest,
+        dest=source,
+    )
+    return [ct if sent else None, None]
 
 
 # -- batching: the batch axis leads, so both sides of a message agree on its layout -----
@@ -169,6 +251,18 @@ def _sendrecv_batch(args, dims, *, shape, **params):
     return [out, status], [0, None]
 
 
+def _tagged_batch(args, dims, *, shape, **params):
+    (x, tags), (dim, tags_dim) = args, dims
+    if tags_dim is not None:
+        raise NotImplementedError(
+            "vmap of a differentiated receive from MPI.ANY_TAG over its message's tag"
+        )
+    x = move_batch(x, dim, 0)
+    out, status = tagged_sendrecv_p.bind(x, tags, shape=(x.shape[0], *shape), **params)
+    return [out, status], [0, None]
+
+
 define_rules(send_p, jvp=_send_jvp, transpose=_send_transpose, batch=_send_batch)
 define_rules(recv_p, jvp=_recv_jvp, transpose=_recv_transpose, batch=_recv_batch)
 define_rules(sendrecv_p, jvp=_sendrecv_jvp, transpose=_sendrecv_transpose, batch=_sendrecv_batch)
+define_rules(tagged_sendrecv_p, jvp=_tagged_jvp, transpose=_tagged_transpose, batch=_tagged_batch)

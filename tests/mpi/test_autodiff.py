@@ -6,6 +6,8 @@ rank: the gradient convention) or per-rank (the global loss is the sum over
 ranks of each rank's own loss).
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -305,6 +307,55 @@ def test_recv_from_any_source_is_not_differentiable(comm):
         with pytest.raises(ValueError, match="explicit source"):
             jax.jvp(lambda t: comm.recv(t), (jnp.zeros(2),), (jnp.ones(2),))
     comm.barrier()
+
+
+def tags_crossed(comm, x, y, *, send, receive, second_tag):
+    """Each rank sends 3x with tag 1, then 5y with tag 2, to its right; it receives
+    tag 2 first, then tag 1 (or whatever tag is left: second_tag=ANY_TAG). Each
+    template has a tangent where the message has one, as every rank must agree."""
+    left, right = shift_peers(comm, True)
+    if send == "isend":
+        sent = [comm.isend(3 * x, dest=right, tag=1), comm.isend(5 * y, dest=right, tag=2)]
+    else:  # small messages, which MPI buffers
+        comm.send(3 * x, dest=right, tag=1)
+        comm.send(5 * y, dest=right, tag=2)
+    if receive == "irecv":
+        by_2 = comm.irecv(y, source=left, tag=2)
+        by_1 = comm.irecv(x, source=left, tag=second_tag)
+        b, a = comm.waitall([by_2, by_1])
+    else:
+        b = comm.recv(y, source=left, tag=2)
+        a = comm.recv(x, source=left, tag=second_tag)
+    if send == "isend":
+        comm.waitall(sent)
+    return jnp.sum(a) * (comm.rank + 1.0) + jnp.sum(b) * 100 * (comm.rank + 1.0)
+
+
+@pytest.mark.parametrize(
+    "send, receive, second_tag",
+    [
+        ("send", "recv", 1),
+        ("send", "recv", MPI.ANY_TAG),
+        ("isend", "recv", 1),
+        ("isend", "recv", MPI.ANY_TAG),
+        ("isend", "irecv", 1),
+        ("isend", "irecv", MPI.ANY_TAG),
+    ],
+)
+def test_cotangents_pair_with_messages_by_tag(comm, send, receive, second_tag):
+    """The reverse pass must send each cotangent back with its message's tag: paired
+    by order alone, x would get y's cotangent and y x's."""
+    if send == "send" and comm.size == 1:
+        pytest.skip("a blocking send to itself waits for its receive (the isend cases run)")
+    loss = partial(tags_crossed, comm, send=send, receive=receive, second_tag=second_tag)
+    x, y = jnp.full(2, 1.0 + comm.rank), jnp.full(2, -1.0 - comm.rank)
+    right = (comm.rank + 1) % comm.size
+    for grad in (jax.grad(loss, (0, 1)), jax.jit(jax.grad(loss, (0, 1)))):
+        dx, dy = grad(x, y)
+        np.testing.assert_array_equal(dx, np.full(2, 3.0 * (right + 1)))
+        np.testing.assert_array_equal(dy, np.full(2, 500.0 * (right + 1)))
+    # y's messages are posted outside the trace: constants, without tangents.
+    np.testing.assert_array_equal(jax.grad(loss)(x, y), dx)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "complex64", "int64", "bool"])

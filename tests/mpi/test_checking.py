@@ -1,6 +1,8 @@
 """Checking mode: mismatched calls across ranks become exceptions on every rank
 involved, naming both sides, and the communicator keeps working afterwards."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,3 +149,15 @@ def test_matching_p2p_still_works(checked):
         got, status = checked.recv(jnp.zeros(3, F32), return_status=True)
         assert_values(got, np.arange(3.0, dtype=F32))
         assert (int(status.source), int(status.tag)) == (0, 2)
+
+
+def test_gradients_of_messages_received_from_any_tag(checked):
+    """The reverse pass's messages go back with the tags read at run time, headers too."""
+    from test_autodiff import tags_crossed
+
+    for receive in ("recv", "irecv"):
+        loss = partial(tags_crossed, checked, send="isend", receive=receive, second_tag=MPI.ANY_TAG)
+        right = (checked.rank + 1) % checked.size
+        dx, dy = jax.jit(jax.grad(loss, (0, 1)))(jnp.ones(2), jnp.ones(2))
+        assert_values(dx, np.full(2, 3.0 * (right + 1)))
+        assert_values(dy, np.full(2, 500.0 * (right + 1)))
