@@ -322,6 +322,17 @@ ffi::Error Call::send_header(int dest, int tag, int64_t pieces) {
   return ffi::Error::Success();
 }
 
+ffi::Error Call::post_header(int dest, int tag, int64_t pieces, MessageHeader* header,
+                             std::vector<MPI_Request>* requests) {
+  if (auto err = live(); err.failure()) return err;
+  if (!check_ || dest == MPI_PROC_NULL) return ffi::Error::Success();
+  *header = make_header(pieces);
+  JAXCOMM_CHECK_MPI(
+      MPI_Isend(header, sizeof *header, MPI_BYTE, dest, tag, comm_, &requests->emplace_back()), op_,
+      comm_);
+  return ffi::Error::Success();
+}
+
 // The sender's data is received into scratch space and dropped.
 ffi::Error Call::mismatch(int source, int tag) {
   for (int64_t i = 0; i < incoming_.pieces; ++i) {

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "jaxcomm/jaxcomm.h"
 #include "xla/ffi/api/ffi.h"
@@ -70,7 +71,19 @@ class Call {
 
   // Checking mode, point to point: a header describing each message goes ahead of
   // it to the receiver, which compares it with its own buffer.
+  struct MessageHeader {
+    char magic[8];  // "jaxcomm"
+    int32_t dtype;
+    int32_t pieces;  // messages that follow (more than one beyond 2^31 elements)
+    int64_t count;
+    char array[96];  // the sender's describe_array
+  };
   ffi::Error send_header(int dest, int tag, int64_t pieces);
+  // The same without blocking, for isend (a blocking send of the header to this
+  // rank itself would wait for its receive): appends the request, if any, to
+  // `requests`; `*header` must stay alive until it completes.
+  ffi::Error post_header(int dest, int tag, int64_t pieces, MessageHeader* header,
+                         std::vector<MPI_Request>* requests);
   // Receives the header for a message from (source, tag); updates them to the
   // actual sender and tag. On a dtype or size mismatch the sender's data is
   // drained (so the sender does not hang) and the error names both sides.
@@ -85,14 +98,6 @@ class Call {
 
   std::string description() const;
 
-  // What goes ahead of each message in checking mode.
-  struct MessageHeader {
-    char magic[8];  // "jaxcomm"
-    int32_t dtype;
-    int32_t pieces;  // messages that follow (more than one beyond 2^31 elements)
-    int64_t count;
-    char array[96];  // the sender's describe_array
-  };
   // Non-blocking receives in checking mode: `header` arrived with `status`
   // (received alongside the data); an error if it does not describe the buffer.
   ffi::Error check_received(const MessageHeader& header, const MPI_Status& status,

@@ -151,6 +151,22 @@ def test_matching_p2p_still_works(checked):
         assert (int(status.source), int(status.tag)) == (0, 2)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_isend_posts_its_header_without_waiting(checked, jit):
+    """An isend returns before its receive is posted, header included: on 1 rank
+    it sends to itself, and a blocking send of the header would wait forever."""
+    right, left = (checked.rank + 1) % checked.size, (checked.rank - 1) % checked.size
+
+    def ring(x):
+        sent = checked.isend(x, dest=right, tag=4)
+        got = checked.recv(jnp.zeros_like(x), source=left, tag=4)
+        checked.wait(sent)
+        return got
+
+    got = (jax.jit(ring) if jit else ring)(jnp.full(3, checked.rank, F32))
+    assert_values(got, np.full(3, left, F32))
+
+
 def test_gradients_of_messages_received_from_any_tag(checked):
     """The reverse pass's messages go back with the tags read at run time, headers too."""
     from test_autodiff import tags_crossed
