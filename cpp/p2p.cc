@@ -212,13 +212,15 @@ ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result /*keep*/, int
   if (auto err = datatype_of(x, "isend", &type); err.failure()) return err;
   Pending pending{"isend", comm_key, check};
   pending.cancellable = true;
-  auto header = std::make_shared<Call::MessageHeader>();
+  // Only checking mode sends a header; it lives as long as the requests, which
+  // end with `finish`.
+  auto header = check ? std::make_shared<Call::MessageHeader>() : nullptr;
   if (auto err =
           call.post_header(dest, tag, pieces(x.element_count()), header.get(), &pending.requests);
       err.failure())
     return err;
-  // The header lives as long as the requests, which end with this function.
-  pending.finish = [header](Call&, const MPI_Status*, int32_t*) { return ffi::Error::Success(); };
+  if (header)
+    pending.finish = [header](Call&, const MPI_Status*, int32_t*) { return ffi::Error::Success(); };
   // In pieces as send splits them, so that a blocking recv can match an isend.
   const size_t width = ffi::ByteWidth(x.element_type());
   JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
