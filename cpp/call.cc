@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -80,12 +81,6 @@ void start_watchdog() {
   std::call_once(once, [] { std::thread(watchdog_loop, settings().timeout).detach(); });
 }
 
-const char* reduce_op_name(int32_t op) {
-  static const char* names[] = {"sum", "prod", "max",  "min", "land",
-                                "lor", "lxor", "band", "bor", "bxor"};
-  return op >= 0 && op < 10 ? names[op] : "?";
-}
-
 uint64_t fnv1a(std::string_view text) {
   uint64_t h = 1469598103934665603ull;
   for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
@@ -146,6 +141,13 @@ constexpr char kMagic[8] = "jaxcomm";
 
 uint64_t call_count() { return calls.load(std::memory_order_relaxed); }
 
+const char* reduce_op_name(int32_t op) {
+  static const char* names[] = {"sum", "prod", "max",  "min", "land",
+                                "lor", "lxor", "band", "bor", "bxor"};
+  static_assert(std::size(names) == static_cast<size_t>(ReduceOp::kBxor) + 1);
+  return op >= 0 && op < static_cast<int32_t>(std::size(names)) ? names[op] : "?";
+}
+
 const char* dtype_name(ffi::DataType dtype) {
   switch (dtype) {
 #define JAXCOMM_DTYPE_NAME(name, storage, text, mpi) \
@@ -183,12 +185,11 @@ Call::Call(int64_t comm_key, bool check, std::string_view op)
   }
 }
 
-Call::Call(int64_t comm_key, bool check, std::string_view op, ffi::DataType dtype,
-           ffi::Span<const int64_t> dims)
+Call::Call(int64_t comm_key, bool check, std::string_view op, const ffi::AnyBuffer& data)
     : Call(comm_key, check, op) {
   has_array_ = true;
-  dtype_ = dtype;
-  dims_ = dims;
+  dtype_ = data.element_type();
+  dims_ = data.dimensions();
   show_watchdog();
 }
 
@@ -209,7 +210,8 @@ Call& Call::param(std::string_view name, int64_t value) {
 Call& Call::reduce_op(int32_t op) {
   const Settings& s = settings();
   if (!(check_ || s.debug || s.timeout > 0)) return *this;
-  params_.append(", op=").append(reduce_op_name(op));
+  // First, whenever it is recorded: jaxcomm's methods and MPI's take op before root.
+  params_.insert(0, std::string(", op=") + reduce_op_name(op));
   show_watchdog();
   return *this;
 }

@@ -31,6 +31,10 @@ void unregister_comm(int64_t key);
 // MPI operations started by handlers so far in this process.
 uint64_t call_count();
 
+// The name of a reduction operator, as jaxcomm._ops.ReduceOp's in lower case:
+// "sum", "prod", ...; "?" otherwise.
+const char* reduce_op_name(int32_t op);
+
 // NumPy's name of an XLA dtype: "float32", "bfloat16", ...; "unsupported" otherwise.
 const char* dtype_name(ffi::DataType dtype);
 
@@ -40,10 +44,10 @@ std::string describe_array(ffi::DataType dtype, ffi::Span<const int64_t> dims);
 // One operation, from its handler's entry to its return.
 class Call {
  public:
-  // `comm_key` is the communicator's key (register_comm). `array` describes the
-  // op's data (its input, or for scatter and recv its output).
-  Call(int64_t comm_key, bool check, std::string_view op, ffi::DataType dtype,
-       ffi::Span<const int64_t> dims);
+  // `comm_key` is the communicator's key (register_comm). `data` is the op's
+  // data (its input, or for scatter and recv its output), described in the log,
+  // the fingerprint and the watchdog's report.
+  Call(int64_t comm_key, bool check, std::string_view op, const ffi::AnyBuffer& data);
   Call(int64_t comm_key, bool check, std::string_view op);  // no data: barrier
   ~Call();
   Call(const Call&) = delete;
@@ -54,7 +58,7 @@ class Call {
   bool checking() const { return check_; }
 
   // A parameter that must agree across ranks (root, reduction op), for the log
-  // and the fingerprint. Returns *this for chaining.
+  // and the fingerprint; the op comes first. Returns *this for chaining.
   Call& param(std::string_view name, int64_t value);
   Call& reduce_op(int32_t op);
   // A peer of a point-to-point call: for the log only.

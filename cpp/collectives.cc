@@ -21,10 +21,11 @@
 namespace jaxcomm::host {
 namespace {
 
-// Checking mode's agreement on the call (whose params include `op`), then the
-// MPI datatype and operator that reduce x.
+// Records the reduction `op` among the call's params, checking mode's agreement
+// on the call, then the MPI datatype and operator that reduce x.
 ffi::Error start_reduction(Call& call, const Buffer& x, int32_t op, MPI_Datatype* type,
                            MPI_Op* mpi) {
+  call.reduce_op(op);
   if (auto err = call.agree(); err.failure()) return err;
   return reduction_of(x, op, call.operation(), type, mpi);
 }
@@ -41,25 +42,20 @@ int comm_size(MPI_Comm comm) {
   return size;
 }
 
-template <bool kExclusive>
-ffi::Error scan(Buffer x, Result out, int64_t comm_key, bool check, int32_t op) {
-  Call call(comm_key, check, kExclusive ? "exscan" : "scan", x.element_type(), x.dimensions());
-  call.reduce_op(op);
+// allreduce, scan and exscan: kReduce (MPI's function of that name) on x's
+// elements in int-sized pieces; logical results become 0 or 1.
+template <auto kReduce>
+ffi::Error reduce_elements(Call& call, const Buffer& x, Result& out, int32_t op) {
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
   MPI_Comm comm = call.comm();
   JAXCOMM_CHECK_MPI(reduce_pieces(x.untyped_data(), out->untyped_data(), x.element_count(), type,
                                   [&](const void* i, void* o, int n) {
-                                    return kExclusive ? MPI_Exscan(i, o, n, type, mpi, comm)
-                                                      : MPI_Scan(i, o, n, type, mpi, comm);
+                                    return kReduce(i, o, n, type, mpi, comm);
                                   }),
                     call.operation(), comm);
-  // MPI leaves exscan's rank-0 result undefined; jaxcomm's is the identity of op.
-  if (kExclusive && comm_rank(comm) == 0)
-    fill_identity(out, op);
-  else
-    normalize_logical(out, op);
+  normalize_logical(out, op);
   return ffi::Error::Success();
 }
 
@@ -67,25 +63,27 @@ ffi::Error scan(Buffer x, Result out, int64_t comm_key, bool check, int32_t op) 
 
 ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                      int32_t op) {
-  Call call(comm_key, check, "allreduce", x.element_type(), x.dimensions());
-  call.reduce_op(op);
-  MPI_Datatype type;
-  MPI_Op mpi;
-  if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
-  MPI_Comm comm = call.comm();
-  JAXCOMM_CHECK_MPI(reduce_pieces(x.untyped_data(), out->untyped_data(), x.element_count(), type,
-                                  [&](const void* i, void* o, int n) {
-                                    return MPI_Allreduce(i, o, n, type, mpi, comm);
-                                  }),
-                    "allreduce", comm);
-  normalize_logical(out, op);
+  Call call(comm_key, check, "allreduce", x);
+  return reduce_elements<MPI_Allreduce>(call, x, out, op);
+}
+
+ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check, int32_t op) {
+  Call call(comm_key, check, "scan", x);
+  return reduce_elements<MPI_Scan>(call, x, out, op);
+}
+
+ffi::Error Exscan(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check, int32_t op) {
+  Call call(comm_key, check, "exscan", x);
+  if (auto err = reduce_elements<MPI_Exscan>(call, x, out, op); err.failure()) return err;
+  // MPI leaves exscan's rank-0 result undefined; jaxcomm's is the identity of op.
+  if (comm_rank(call.comm()) == 0) fill_identity(out, op);
   return ffi::Error::Success();
 }
 
 ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check, int32_t op,
                   int32_t root) {
-  Call call(comm_key, check, "reduce", x.element_type(), x.dimensions());
-  call.reduce_op(op).param("root", root);
+  Call call(comm_key, check, "reduce", x);
+  call.param("root", root);
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
@@ -106,18 +104,9 @@ ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool 
   return ffi::Error::Success();
 }
 
-ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check, int32_t op) {
-  return scan<false>(x, out, comm_key, check, op);
-}
-
-ffi::Error Exscan(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check, int32_t op) {
-  return scan<true>(x, out, comm_key, check, op);
-}
-
 ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                          int32_t op) {
-  Call call(comm_key, check, "reduce_scatter", x.element_type(), x.dimensions());
-  call.reduce_op(op);
+  Call call(comm_key, check, "reduce_scatter", x);
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
@@ -148,7 +137,7 @@ ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_key
 
 ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                  int32_t root) {
-  Call call(comm_key, check, "bcast", x.element_type(), x.dimensions());
+  Call call(comm_key, check, "bcast", x);
   call.param("root", root);
   MPI_Datatype type;
   if (auto err = start(call, x, &type); err.failure()) return err;
@@ -166,7 +155,7 @@ ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool c
 
 ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                   int32_t root) {
-  Call call(comm_key, check, "gather", x.element_type(), x.dimensions());
+  Call call(comm_key, check, "gather", x);
   call.param("root", root);
   MPI_Datatype type;
   if (auto err = start(call, x, &type); err.failure()) return err;
@@ -183,7 +172,7 @@ ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool 
 }
 
 ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check) {
-  Call call(comm_key, check, "allgather", x.element_type(), x.dimensions());
+  Call call(comm_key, check, "allgather", x);
   MPI_Datatype type;
   if (auto err = start(call, x, &type); err.failure()) return err;
   MPI_Comm comm = call.comm();
@@ -196,7 +185,7 @@ ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bo
 
 ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                    int32_t root) {
-  Call call(comm_key, check, "scatter", out->element_type(), out->dimensions());
+  Call call(comm_key, check, "scatter", *out);
   call.param("root", root);
   MPI_Datatype type;
   if (auto err = start(call, x, &type); err.failure()) return err;
@@ -210,7 +199,7 @@ ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool
 }
 
 ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check) {
-  Call call(comm_key, check, "alltoall", x.element_type(), x.dimensions());
+  Call call(comm_key, check, "alltoall", x);
   MPI_Datatype type;
   if (auto err = start(call, x, &type); err.failure()) return err;
   MPI_Comm comm = call.comm();
@@ -259,8 +248,7 @@ std::function<void()> normalize_later(Result& out, int32_t op) {
 
 ffi::Error Iallreduce(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
                       int64_t comm_key, bool check, int32_t op) {
-  Call call(comm_key, check, "iallreduce", x.element_type(), x.dimensions());
-  call.reduce_op(op);
+  Call call(comm_key, check, "iallreduce", x);
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
@@ -277,8 +265,7 @@ ffi::Error Iallreduce(Token, Buffer x, TokenOut, Result out, Result request, Res
 
 ffi::Error IreduceScatter(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
                           int64_t comm_key, bool check, int32_t op) {
-  Call call(comm_key, check, "ireduce_scatter", x.element_type(), x.dimensions());
-  call.reduce_op(op);
+  Call call(comm_key, check, "ireduce_scatter", x);
   MPI_Datatype type;
   MPI_Op mpi;
   if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
@@ -298,7 +285,7 @@ ffi::Error IreduceScatter(Token, Buffer x, TokenOut, Result out, Result request,
 
 ffi::Error Ibcast(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
                   int64_t comm_key, bool check, int32_t root) {
-  Call call(comm_key, check, "ibcast", x.element_type(), x.dimensions());
+  Call call(comm_key, check, "ibcast", x);
   call.param("root", root);
   MPI_Datatype type;
   if (auto err = start(call, x, &type); err.failure()) return err;
@@ -323,7 +310,7 @@ template <bool kAlltoall>
 ffi::Error exchange_blocks(const Buffer& x, Result& out, Result& request, int64_t comm_key,
                            bool check) {
   constexpr std::string_view name = kAlltoall ? "ialltoall" : "iallgather";
-  Call call(comm_key, check, name, x.element_type(), x.dimensions());
+  Call call(comm_key, check, name, x);
   MPI_Datatype type;
   if (auto err = start(call, x, &type); err.failure()) return err;
   MPI_Comm comm = call.comm();

@@ -24,11 +24,11 @@
 namespace nb = nanobind;
 
 namespace jaxcomm {
-#define JAXCOMM_DEFINE_CPU_HANDLER(name, function, binding) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name, host::function, binding);
-JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind())
-JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind())
-JAXCOMM_DEFINE_CPU_HANDLER(wait, Wait, waiting(ffi::Ffi::Bind()))
+#define JAXCOMM_DEFINE_CPU_HANDLER(name, function, binding, attributes) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name, host::function, binding attributes);
+JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind(), JAXCOMM_BIND_ATTRIBUTE)
+JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind(), JAXCOMM_BIND_ATTRIBUTE)
+JAXCOMM_DEFINE_CPU_HANDLER(wait, Wait, waiting(ffi::Ffi::Bind()), )
 #undef JAXCOMM_DEFINE_CPU_HANDLER
 }  // namespace jaxcomm
 
@@ -164,10 +164,10 @@ struct Eager<Function> {
 };
 
 EagerRun eager_run(std::string_view operation) {
-#define JAXCOMM_EAGER_RUN(name, function, binding) \
+#define JAXCOMM_EAGER_RUN(name, function, ...) \
   if (operation == #name) return &Eager<&host::function>::Run;
-  JAXCOMM_OPERATIONS(JAXCOMM_EAGER_RUN, _)
-  JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_EAGER_RUN, _)
+  JAXCOMM_OPERATIONS(JAXCOMM_EAGER_RUN, _, JAXCOMM_ATTRIBUTE_NAME)
+  JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_EAGER_RUN, _, JAXCOMM_ATTRIBUTE_NAME)
 #undef JAXCOMM_EAGER_RUN
   throw nb::value_error(("no jaxcomm operation named " + std::string(operation)).c_str());
 }
@@ -271,14 +271,26 @@ NB_MODULE(_jaxcomm_cpu, m) {
   m.doc() = "jaxcomm's CPU XLA FFI handlers.";
   m.def("registrations", [] {
     nb::dict targets;
-#define JAXCOMM_REGISTER(name, function, binding) \
+#define JAXCOMM_REGISTER(name, ...) \
   targets["jaxcomm_" #name] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_##name));
-    JAXCOMM_OPERATIONS(JAXCOMM_REGISTER, _)
-    JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_REGISTER, _)
-    JAXCOMM_REGISTER(wait, _, _)
+    JAXCOMM_OPERATIONS(JAXCOMM_REGISTER, _, JAXCOMM_ATTRIBUTE_NAME)
+    JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_REGISTER, _, JAXCOMM_ATTRIBUTE_NAME)
+    JAXCOMM_REGISTER(wait, _)
 #undef JAXCOMM_REGISTER
     return targets;
   });
+  m.def(
+      "attributes",
+      [] {
+        nb::dict attributes;
+#define JAXCOMM_ATTRIBUTES(name, function, binding, names) \
+  attributes[#name] = nb::tuple(nb::cast(std::vector<std::string>{names}));
+        JAXCOMM_OPERATIONS(JAXCOMM_ATTRIBUTES, _, JAXCOMM_ATTRIBUTE_NAME)
+        JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_ATTRIBUTES, _, JAXCOMM_ATTRIBUTE_NAME)
+#undef JAXCOMM_ATTRIBUTES
+        return attributes;
+      },
+      "Each operation's own FFI attributes (after comm and check), in binding order.");
   nb::class_<jaxcomm::EagerCall>(m, "EagerCall",
                                  "An operation on arrays of fixed types, run directly.")
       .def(nb::init<std::string_view, std::vector<int>,
@@ -293,6 +305,11 @@ NB_MODULE(_jaxcomm_cpu, m) {
     if (std::string_view(name) != "unsupported") dtype_codes[name] = code;
   }
   m.attr("dtype_codes") = dtype_codes;
+  nb::list reduce_ops;
+  for (int32_t op = 0; op <= static_cast<int32_t>(jaxcomm::ReduceOp::kBxor); ++op) {
+    reduce_ops.append(jaxcomm::reduce_op_name(op));
+  }
+  m.attr("reduce_op_names") = reduce_ops;
   m.def("complete", &jaxcomm::complete, nb::arg("request"), nb::arg("out"),
         "Wait for the non-blocking operation whose request buffer is at `request`.");
   m.def(

@@ -305,11 +305,13 @@ struct Staged<Function, kPointers> {
 
 }  // namespace
 
-#define JAXCOMM_DEFINE_CUDA_HANDLER(name, function, binding) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name##_cuda,       \
-                                (Staged<&host::function, pointers_for(#name)>::Call), binding);
+#define JAXCOMM_DEFINE_CUDA_HANDLER(name, function, binding, attributes)              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name##_cuda,                                \
+                                (Staged<&host::function, pointers_for(#name)>::Call), \
+                                binding attributes);
 JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CUDA_HANDLER,
-                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(),
+                   JAXCOMM_BIND_ATTRIBUTE)
 #undef JAXCOMM_DEFINE_CUDA_HANDLER
 
 }  // namespace jaxcomm
@@ -318,9 +320,9 @@ NB_MODULE(_jaxcomm_cuda, m) {
   m.doc() = "jaxcomm's CUDA XLA FFI handlers.";
   m.def("registrations", [] {
     nb::dict targets;
-#define JAXCOMM_REGISTER(name, function, binding) \
+#define JAXCOMM_REGISTER(name, ...) \
   targets["jaxcomm_" #name] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_##name##_cuda));
-    JAXCOMM_OPERATIONS(JAXCOMM_REGISTER, _)
+    JAXCOMM_OPERATIONS(JAXCOMM_REGISTER, _, JAXCOMM_ATTRIBUTE_NAME)
 #undef JAXCOMM_REGISTER
     return targets;
   });

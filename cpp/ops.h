@@ -102,38 +102,40 @@ auto receiving(Binding&& base) {
                        .template Ret<host::StatusBuffer>());
 }
 
-// X(name, function, binding) for every operation: the FFI target is "jaxcomm_<name>"
-// on every platform.
-#define JAXCOMM_OPERATIONS(X, base)                                                    \
-  X(allreduce, Allreduce, unary(base).Attr<int32_t>("op"))                             \
-  X(reduce, Reduce, unary(base).Attr<int32_t>("op").Attr<int32_t>("root"))             \
-  X(scan, Scan, unary(base).Attr<int32_t>("op"))                                       \
-  X(exscan, Exscan, unary(base).Attr<int32_t>("op"))                                   \
-  X(reduce_scatter, ReduceScatter, unary(base).Attr<int32_t>("op"))                    \
-  X(bcast, Bcast, unary(base).Attr<int32_t>("root"))                                   \
-  X(gather, Gather, unary(base).Attr<int32_t>("root"))                                 \
-  X(allgather, Allgather, unary(base))                                                 \
-  X(scatter, Scatter, unary(base).Attr<int32_t>("root"))                               \
-  X(alltoall, Alltoall, unary(base))                                                   \
-  X(send, Send, with_comm(one_input(base)).Attr<int32_t>("dest").Attr<int32_t>("tag")) \
-  X(recv, Recv, receiving(base).Attr<int32_t>("source").Attr<int32_t>("tag"))          \
-  X(sendrecv, Sendrecv,                                                                \
-    receiving(base)                                                                    \
-        .Attr<int32_t>("source")                                                       \
-        .Attr<int32_t>("dest")                                                         \
-        .Attr<int32_t>("sendtag")                                                      \
-        .Attr<int32_t>("recvtag"))                                                     \
-  X(tagged_sendrecv, TaggedSendrecv,                                                   \
-    with_comm(base.Arg<host::Token>()                                                  \
-                  .Arg<host::Buffer>()                                                 \
-                  .Arg<host::Buffer>()                                                 \
-                  .Ret<host::Token>()                                                  \
-                  .Ret<host::Buffer>()                                                 \
-                  .Ret<host::StatusBuffer>())                                          \
-        .Attr<int32_t>("source")                                                       \
-        .Attr<int32_t>("dest"))                                                        \
-  X(barrier, Barrier, with_comm(base.Arg<host::Token>().Ret<host::Token>()))           \
-  X(check_replicated, CheckReplicated, unary(base).Attr<std::string_view>("operation"))
+// X(name, function, binding, attributes) for every operation: the FFI target is
+// "jaxcomm_<name>" on every platform. `attributes` lists the operation's own
+// attributes, after "comm" and "check", as A(type, name) in binding order; the
+// caller's A makes them `.Attr<type>("name")` to complete the binding
+// (JAXCOMM_BIND_ATTRIBUTE) or lists their names (the Python side derives its
+// primitives' attributes, and the eager path their order, from these).
+#define JAXCOMM_OPERATIONS(X, base, A)                                           \
+  X(allreduce, Allreduce, unary(base), A(int32_t, op))                           \
+  X(reduce, Reduce, unary(base), A(int32_t, op) A(int32_t, root))                \
+  X(scan, Scan, unary(base), A(int32_t, op))                                     \
+  X(exscan, Exscan, unary(base), A(int32_t, op))                                 \
+  X(reduce_scatter, ReduceScatter, unary(base), A(int32_t, op))                  \
+  X(bcast, Bcast, unary(base), A(int32_t, root))                                 \
+  X(gather, Gather, unary(base), A(int32_t, root))                               \
+  X(allgather, Allgather, unary(base), )                                         \
+  X(scatter, Scatter, unary(base), A(int32_t, root))                             \
+  X(alltoall, Alltoall, unary(base), )                                           \
+  X(send, Send, with_comm(one_input(base)), A(int32_t, dest) A(int32_t, tag))    \
+  X(recv, Recv, receiving(base), A(int32_t, source) A(int32_t, tag))             \
+  X(sendrecv, Sendrecv, receiving(base),                                         \
+    A(int32_t, source) A(int32_t, dest) A(int32_t, sendtag) A(int32_t, recvtag)) \
+  X(tagged_sendrecv, TaggedSendrecv,                                             \
+    with_comm(base.Arg<host::Token>()                                            \
+                  .Arg<host::Buffer>()                                           \
+                  .Arg<host::Buffer>()                                           \
+                  .Ret<host::Token>()                                            \
+                  .Ret<host::Buffer>()                                           \
+                  .Ret<host::StatusBuffer>()),                                   \
+    A(int32_t, source) A(int32_t, dest))                                         \
+  X(barrier, Barrier, with_comm(base.Arg<host::Token>().Ret<host::Token>()), )   \
+  X(check_replicated, CheckReplicated, unary(base), A(std::string_view, operation))
+
+#define JAXCOMM_BIND_ATTRIBUTE(type, name) .Attr<type>(#name)
+#define JAXCOMM_ATTRIBUTE_NAME(type, name) #name,
 
 // token, x -> token, out, request, keep
 template <typename Binding>
@@ -154,14 +156,14 @@ auto two_results(Binding&& base) {
 
 // The non-blocking starts, as JAXCOMM_OPERATIONS; the CPU backend registers them
 // and jaxcomm_wait.
-#define JAXCOMM_NONBLOCKING_OPERATIONS(X, base)                                 \
-  X(iallreduce, Iallreduce, starting(base).Attr<int32_t>("op"))                 \
-  X(ireduce_scatter, IreduceScatter, starting(base).Attr<int32_t>("op"))        \
-  X(ibcast, Ibcast, starting(base).Attr<int32_t>("root"))                       \
-  X(iallgather, Iallgather, starting(base))                                     \
-  X(ialltoall, Ialltoall, starting(base))                                       \
-  X(isend, Isend, two_results(base).Attr<int32_t>("dest").Attr<int32_t>("tag")) \
-  X(irecv, Irecv, two_results(base).Attr<int32_t>("source").Attr<int32_t>("tag"))
+#define JAXCOMM_NONBLOCKING_OPERATIONS(X, base, A)                     \
+  X(iallreduce, Iallreduce, starting(base), A(int32_t, op))            \
+  X(ireduce_scatter, IreduceScatter, starting(base), A(int32_t, op))   \
+  X(ibcast, Ibcast, starting(base), A(int32_t, root))                  \
+  X(iallgather, Iallgather, starting(base), )                          \
+  X(ialltoall, Ialltoall, starting(base), )                            \
+  X(isend, Isend, two_results(base), A(int32_t, dest) A(int32_t, tag)) \
+  X(irecv, Irecv, two_results(base), A(int32_t, source) A(int32_t, tag))
 
 template <typename Binding>
 auto waiting(Binding&& base) {

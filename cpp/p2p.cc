@@ -80,7 +80,7 @@ ffi::Error check_count(const MPI_Status& s, MPI_Datatype type, int expected, std
 
 ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_key, bool check, int32_t dest,
                 int32_t tag) {
-  Call call(comm_key, check, "send", x.element_type(), x.dimensions());
+  Call call(comm_key, check, "send", x);
   call.peer("dest", dest).peer("tag", tag);
   MPI_Comm comm = call.comm();
   MPI_Datatype type;
@@ -99,7 +99,7 @@ ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_key, bool check, int32_t
 // `like` is the template: its shape and dtype are the result's; its data is unused.
 ffi::Error Recv(Token, Buffer /*like*/, TokenOut, Result out, Status status, int64_t comm_key,
                 bool check, int32_t source, int32_t tag) {
-  Call call(comm_key, check, "recv", out->element_type(), out->dimensions());
+  Call call(comm_key, check, "recv", *out);
   call.peer("source", source).peer("tag", tag);
   MPI_Comm comm = call.comm();
   MPI_Datatype type = mpi_datatype(out->element_type());
@@ -129,7 +129,7 @@ ffi::Error Recv(Token, Buffer /*like*/, TokenOut, Result out, Status status, int
 
 ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm_key,
                     bool check, int32_t source, int32_t dest, int32_t sendtag, int32_t recvtag) {
-  Call call(comm_key, check, "sendrecv", x.element_type(), x.dimensions());
+  Call call(comm_key, check, "sendrecv", x);
   call.peer("source", source).peer("dest", dest);
   MPI_Comm comm = call.comm();
   MPI_Datatype send_type, recv_type = mpi_datatype(out->element_type());
@@ -205,7 +205,7 @@ ffi::Error TaggedSendrecv(Token token, Buffer x, Buffer tags, TokenOut token_out
 
 ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result /*keep*/, int64_t comm_key,
                  bool check, int32_t dest, int32_t tag) {
-  Call call(comm_key, check, "isend", x.element_type(), x.dimensions());
+  Call call(comm_key, check, "isend", x);
   call.peer("dest", dest).peer("tag", tag);
   MPI_Comm comm = call.comm();
   MPI_Datatype type;
@@ -237,7 +237,7 @@ ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result /*keep*/, int
 // each other's headers.
 ffi::Error Irecv(Token, Buffer /*like*/, TokenOut, Result out, Result request, int64_t comm_key,
                  bool check, int32_t source, int32_t tag) {
-  Call call(comm_key, check, "irecv", out->element_type(), out->dimensions());
+  Call call(comm_key, check, "irecv", *out);
   call.peer("source", source).peer("tag", tag);
   if (auto err = call.live(); err.failure()) return err;
   MPI_Comm comm = call.comm();

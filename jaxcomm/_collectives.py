@@ -21,7 +21,7 @@ from jaxcomm._primitive import (
     on_rank,
     same_shape,
 )
-from jaxcomm._reductions import pvary, replicated_cotangent
+from jaxcomm._replicated import pvary, replicated_cotangent
 
 
 def _stacked(x, *, comm: CommInfo, **_):
@@ -36,10 +36,10 @@ def _scatter_shape(x, *, comm: CommInfo, root: int):
     return [core.ShapedArray(x.shape[1:] if comm.rank == root else x.shape, x.dtype)]
 
 
-bcast_p = comm_primitive("bcast", same_shape, attrs=("root",), aliases=in_place)
-gather_p = comm_primitive("gather", _gather_shape, attrs=("root",))
+bcast_p = comm_primitive("bcast", same_shape, aliases=in_place)
+gather_p = comm_primitive("gather", _gather_shape)
 allgather_p = comm_primitive("allgather", _stacked)
-scatter_p = comm_primitive("scatter", _scatter_shape, attrs=("root",))
+scatter_p = comm_primitive("scatter", _scatter_shape)
 alltoall_p = comm_primitive("alltoall", same_shape, aliases=in_place)
 
 

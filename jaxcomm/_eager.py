@@ -16,12 +16,14 @@ Everything fixed by a call's signature is prepared once, as a C++ EagerCall.
 A pytree's arrays go through a MapCall, which sends small arrays of one dtype as
 one message, like a traced call. JaxComm's methods also keep a shortcut for calls
 that repeat an earlier one (run_again, map_again), which skips their argument
-handling.
+handling. All of these live in one bounded cache of prepared calls.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,20 +52,28 @@ def can_run(arrays: Sequence[Any]) -> bool:
     return True
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)  # a program uses few shardings
+def _placement(sharding: jax.sharding.Sharding) -> tuple[frozenset[str], Any]:
+    """The platforms ("cpu", "gpu", ...) of the devices an array is on, and the
+    device when there is one (else None)."""
+    devices = sharding.device_set
+    device = next(iter(devices)) if len(devices) == 1 else None
+    return frozenset(d.platform for d in devices), device
+
+
 def platforms(sharding: jax.sharding.Sharding) -> frozenset[str]:
     """The platforms ("cpu", "gpu", ...) of the devices an array is on."""
-    return frozenset(device.platform for device in sharding.device_set)
+    return _placement(sharding)[0]
 
 
-@functools.cache
 def _on_one_host_device(sharding: jax.sharding.Sharding) -> bool:
-    return len(sharding.device_set) == 1 and platforms(sharding) == {"cpu"}
+    kinds, device = _placement(sharding)
+    return device is not None and kinds == {"cpu"}
 
 
-@functools.cache
 def _device(sharding: jax.sharding.Sharding) -> Any:
-    return next(iter(sharding.device_set))
+    """The device of an array on one device."""
+    return _placement(sharding)[1]
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> np.ndarray:
@@ -133,46 +143,81 @@ class EagerOp:
         )
 
 
-# Calls mostly repeat a signature, and preparing a call costs more than looking it up.
-@functools.lru_cache(maxsize=1024)
+class _Prepared:
+    """The one cache of prepared calls (EagerCalls, MapCalls and the shortcut's),
+    by signature, least recently used first out: calls mostly repeat a signature,
+    and preparing a call costs more than looking it up, but a program that keeps
+    making new signatures must not grow it without end."""
+
+    def __init__(self, size: int):
+        self._size = size
+        self._calls: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> Any:
+        with self._lock:
+            call = self._calls.get(key)
+            if call is not None:
+                self._calls.move_to_end(key)
+            return call
+
+    def put(self, key: tuple, call: Any) -> Any:
+        with self._lock:
+            self._calls[key] = call
+            while len(self._calls) > self._size:
+                self._calls.popitem(last=False)
+        return call
+
+    def get_or_make(self, key: tuple, make: Callable[[], Any]) -> Any:
+        call = self.get(key)
+        return self.put(key, make()) if call is None else call
+
+
+_prepared_calls = _Prepared(4096)
+
+
 def _prepared(op: EagerOp, in_types, comm, params, device, wrapped=None) -> cpu.EagerCall:
-    return op.prepare(in_types, comm, params, device, wrapped)
+    key = ("call", op, in_types, comm, params, device, wrapped)
+    return _prepared_calls.get_or_make(
+        key, lambda: op.prepare(in_types, comm, params, device, wrapped)
+    )
 
 
 class MapCall:
     """op on each array of a list, of fixed types on host devices, prepared once.
-    Arrays that travel together (jaxcomm._fusion) are copied into one flat NumPy
-    array and sent through op in one call; their results are pieces of its output."""
+    Arrays that travel together (jaxcomm._fusion) are packed into one flat NumPy
+    array and sent through op in one call; their results are pieces of its output,
+    each on its array's device."""
 
     def __init__(self, op: EagerOp, in_types, devices, comm: Any, params, fuse: bool):
-        # (members, call, pieces): pieces, for a fused group, are each member's
-        # (start, stop, shape, wrap) in the call's output.
-        self._steps: list[tuple[tuple[int, ...], cpu.EagerCall, list | None]] = []
-        for members in _fusion.message_groups(in_types, fuse):
-            device = devices[members[0]]
-            if len(members) == 1 or any(devices[i] != device for i in members):
-                for i in members:  # alone, or on several CPU devices: not fused
-                    call = _prepared(op, in_types[i : i + 1], comm, params, devices[i], 1)
-                    self._steps.append(((i,), call, None))
+        # (message, call, wraps): wraps, for a fused message, make each member's
+        # piece a jax.Array on its device.
+        self._steps: list[tuple[_fusion.Message, cpu.EagerCall, list | None]] = []
+        for message in _fusion.messages(in_types, fuse):
+            first = message.members[0]
+            if not message.fused:
+                call = _prepared(op, in_types[first : first + 1], comm, params, devices[first], 1)
+                self._steps.append((message, call, None))
                 continue
-            dtype, shapes = in_types[members[0]][1], [in_types[i][0] for i in members]
-            spans = _fusion.bounds(shapes)
-            pieces = [
-                (start, stop, shape, host_arrays(core.ShapedArray(shape, dtype), device))
-                for (start, stop), shape in zip(spans, shapes, strict=True)
+            dtype = in_types[first][1]
+            wraps = [
+                host_arrays(core.ShapedArray(shape, dtype), devices[i])
+                for i, shape in zip(message.members, message.shapes, strict=True)
             ]
-            call = _prepared(op, (((spans[-1][1],), dtype),), comm, params, device, 0)
-            self._steps.append((members, call, pieces))
+            # Its one result stays NumPy (wrapped=0), so the device is not used.
+            call = _prepared(op, (((message.size,), dtype),), comm, params, devices[first], 0)
+            self._steps.append((message, call, wraps))
 
     def __call__(self, arrays: Sequence[jax.Array]) -> list[jax.Array]:
         results: list[Any] = [None] * len(arrays)
-        for members, call, pieces in self._steps:
-            if pieces is None:
-                results[members[0]] = call(arrays[members[0]])[0]
+        for message, call, wraps in self._steps:
+            if wraps is None:
+                results[message.members[0]] = call(arrays[message.members[0]])[0]
                 continue
-            flat = call(np.concatenate([np.asarray(arrays[i]).ravel() for i in members]))[0]
-            for i, (start, stop, shape, wrap) in zip(members, pieces, strict=True):
-                results[i] = wrap(flat[start:stop].reshape(shape))
+            flat = call(message.pack(arrays, np))[0]
+            pieces = message.unpack(flat)
+            for i, wrap, piece in zip(message.members, wraps, pieces, strict=True):
+                results[i] = wrap(piece)
         return results
 
 
@@ -183,12 +228,11 @@ def map_call(
     CPU device (can_run)."""
     in_types = tuple((a.shape, a.dtype) for a in arrays)
     devices = tuple(_device(a.sharding) for a in arrays)
-    return _map_call(op, in_types, devices, comm, tuple(params.items()), fuse)
-
-
-@functools.lru_cache(maxsize=256)
-def _map_call(op, in_types, devices, comm, params, fuse) -> MapCall:
-    return MapCall(op, in_types, devices, comm, params, fuse)
+    params = tuple(params.items())
+    return _prepared_calls.get_or_make(
+        ("map", op, in_types, devices, comm, params, fuse),
+        lambda: MapCall(op, in_types, devices, comm, params, fuse),
+    )
 
 
 # The shortcut for JaxComm's methods: a call on one array, or on a pytree of
@@ -198,23 +242,14 @@ def _map_call(op, in_types, devices, comm, params, fuse) -> MapCall:
 # Primitive.bind, most of a small call's cost. Its results after the first (a
 # receive's status) stay NumPy arrays: wrapping one as a jax.Array costs as much
 # as the rest of the call, and most calls discard the status.
-_repeatable: dict[tuple, Any] = {}
-_MOST_REPEATABLE = 4096
-
-
 def _signature(op: EagerOp, x: jax.Array, comm: Any, params: dict[str, Any]) -> tuple:
-    return (op, x.shape, x.dtype, x.sharding, comm, *params.items())
+    return ("again", op, x.shape, x.dtype, x.sharding, comm, *params.items())
 
 
 def _tree_signature(op: EagerOp, tree: Any, leaves: list, comm: Any, params: dict) -> tuple:
-    # A PyTreeDef second, where _signature has a shape: the two never collide.
-    return (op, tree, *[(a.shape, a.dtype, a.sharding) for a in leaves], comm, *params.items())
-
-
-def _keep(signature: tuple, calls: Any) -> None:
-    if len(_repeatable) >= _MOST_REPEATABLE:
-        _repeatable.clear()
-    _repeatable[signature] = calls
+    # A PyTreeDef third, where _signature has a shape: the two never collide.
+    leaf_types = [(a.shape, a.dtype, a.sharding) for a in leaves]
+    return ("again", op, tree, *leaf_types, comm, *params.items())
 
 
 def run_again(op: EagerOp, x: Any, comm: Any, params: dict[str, Any]) -> list[jax.Array] | None:
@@ -223,7 +258,7 @@ def run_again(op: EagerOp, x: Any, comm: Any, params: dict[str, Any]) -> list[ja
     placement) and no trace is active; else None."""
     if type(x) is not ArrayImpl:
         return None
-    call = _repeatable.get(_signature(op, x, comm, params))
+    call = _prepared_calls.get(_signature(op, x, comm, params))
     if call is None or not at_top_level():
         return None
     return call(x)
@@ -239,7 +274,7 @@ def map_again(op: EagerOp, x: Any, comm: Any, params: dict[str, Any]) -> Any:
     leaves, tree = jax.tree.flatten(x)
     if not all(type(a) is ArrayImpl for a in leaves):
         return None
-    call = _repeatable.get(_tree_signature(op, tree, leaves, comm, params))
+    call = _prepared_calls.get(_tree_signature(op, tree, leaves, comm, params))
     if call is None or not at_top_level():
         return None
     return tree.unflatten(call(leaves))
@@ -251,7 +286,7 @@ def remember(op: EagerOp, x: Any, comm: Any, params: dict[str, Any]) -> None:
     if type(x) is ArrayImpl and can_run((x,)):
         in_types, device = ((x.shape, x.dtype),), _device(x.sharding)
         call = _prepared(op, in_types, comm, tuple(params.items()), device, 1)
-        _keep(_signature(op, x, comm, params), call)
+        _prepared_calls.put(_signature(op, x, comm, params), call)
 
 
 def remember_map(op: EagerOp, x: Any, comm: Any, params: dict[str, Any], fuse: bool) -> None:
@@ -262,7 +297,7 @@ def remember_map(op: EagerOp, x: Any, comm: Any, params: dict[str, Any], fuse: b
     leaves, tree = jax.tree.flatten(x)
     if leaves and all(type(a) is ArrayImpl for a in leaves) and can_run(leaves):
         call = map_call(op, leaves, comm, params, fuse)
-        _keep(_tree_signature(op, tree, leaves, comm, params), call)
+        _prepared_calls.put(_tree_signature(op, tree, leaves, comm, params), call)
 
 
 def as_array(values: np.ndarray, like: jax.Array) -> jax.Array:
@@ -274,10 +309,8 @@ def as_array(values: np.ndarray, like: jax.Array) -> jax.Array:
 
 def scalars(values: np.ndarray, like: jax.Array) -> list[jax.Array]:
     """The elements of 1-d `values` as 0-d arrays on `like`'s (CPU) device."""
-    wrap = _scalar_maker(values.dtype, _device(like.sharding))
+    dtype, device = values.dtype, _device(like.sharding)
+    wrap = _prepared_calls.get_or_make(
+        ("scalar", dtype, device), lambda: host_arrays(core.ShapedArray((), dtype), device)
+    )
     return [wrap(value) for value in values]
-
-
-@functools.cache
-def _scalar_maker(dtype: np.dtype, device: Any) -> Callable[[Any], jax.Array]:
-    return host_arrays(core.ShapedArray((), dtype), device)

@@ -1,11 +1,12 @@
-"""Which arrays of a pytree travel together: small leaves of one dtype go as one
-message. Traced and eager calls group them the same way, so every rank sends the
-same messages whichever path its call takes."""
+"""Which arrays of a pytree travel together, and how: small leaves of one dtype go
+as one message, packed flat in order. Traced and eager calls take their messages
+from the same plan, so every rank sends the same messages whichever path its call
+takes."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -13,38 +14,54 @@ import numpy as np
 FUSE_BELOW_BYTES = 1 << 16
 
 
-def message_groups(
-    types: Sequence[tuple[tuple[int, ...], Any]], fuse: bool
-) -> list[tuple[int, ...]]:
-    """The leaves of `types` ((shape, dtype) each) that travel together, as index
-    tuples in the order their messages go: without `fuse` every leaf alone, in
-    order; with it each large leaf alone, in order, then the small leaves of each
-    dtype together, in order of the dtype's first appearance."""
-    if not fuse:
-        return [(i,) for i in range(len(types))]
+class Message(NamedTuple):
+    """The leaves (by index) that travel as one message, with their shapes and
+    where each lies, as (start, stop), in the flat array of the message."""
+
+    members: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def fused(self) -> bool:
+        return len(self.members) > 1
+
+    @property
+    def size(self) -> int:
+        """Elements in the flat array of a fused message."""
+        return self.spans[-1][1]
+
+    def pack(self, leaves: Sequence[Any], xp: Any) -> Any:
+        """The members of `leaves` as one flat array (xp: numpy or jax.numpy)."""
+        return xp.concatenate([xp.ravel(leaves[i]) for i in self.members])
+
+    def unpack(self, flat: Any) -> list[Any]:
+        """The members' pieces of the flat array `flat`, in their shapes."""
+        return [
+            flat[start:stop].reshape(shape)
+            for (start, stop), shape in zip(self.spans, self.shapes, strict=True)
+        ]
+
+
+def messages(types: Sequence[tuple[tuple[int, ...], Any]], fuse: bool) -> list[Message]:
+    """The messages that carry leaves of `types` ((shape, dtype) each), in the
+    order they go: without `fuse` every leaf alone, in order; with it each large
+    leaf alone, in order, then the small leaves of each dtype together, in order
+    of the dtype's first appearance."""
     alone: list[tuple[int, ...]] = []
     small: dict[Any, list[int]] = {}
     for i, (shape, dtype) in enumerate(types):
-        if int(np.prod(shape)) * np.dtype(dtype).itemsize < FUSE_BELOW_BYTES:
+        if fuse and int(np.prod(shape)) * np.dtype(dtype).itemsize < FUSE_BELOW_BYTES:
             small.setdefault(dtype, []).append(i)
         else:
             alone.append((i,))
-    return alone + [tuple(members) for members in small.values()]
+    groups = alone + [tuple(members) for members in small.values()]
+    return [_message(members, [tuple(types[i][0]) for i in members]) for members in groups]
 
 
-def bounds(shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, int]]:
-    """Where arrays of `shapes` lie, as (start, stop), in one flat array holding them
-    in order."""
+def _message(members: tuple[int, ...], shapes: list[tuple[int, ...]]) -> Message:
     spans, stop = [], 0
     for shape in shapes:
         start, stop = stop, stop + int(np.prod(shape))
         spans.append((start, stop))
-    return spans
-
-
-def split(flat: Any, shapes: Sequence[tuple[int, ...]]) -> list[Any]:
-    """The consecutive pieces of 1-d `flat`, reshaped to `shapes`."""
-    return [
-        flat[start:stop].reshape(shape)
-        for (start, stop), shape in zip(bounds(shapes), shapes, strict=True)
-    ]
+    return Message(members, tuple(shapes), tuple(spans))

@@ -41,7 +41,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 from mpi4py import MPI
 
-from jaxcomm import _collectives, _eager, _p2p, _reductions
+from jaxcomm import _collectives, _eager, _p2p, _reductions, _replicated
 from jaxcomm._jax_internals import COMM_EFFECT, at_top_level, lower_with_token
 from jaxcomm._native import PLATFORMS, cpu
 from jaxcomm._ops import ReduceOp
@@ -95,7 +95,6 @@ def _declare(blocking: CommPrimitive, kind: Kind, batch_in=0, batch_out=0) -> No
     start = comm_primitive(
         name,
         abstract_eval,
-        attrs=blocking.attrs,
         # irecv's template may become its result, as recv's does.
         aliases=lambda *_, **__: {0: keep_index} if kind.keep else {0: 0},
         before_lowering=partial(_refuse_abandoned, name),
@@ -403,9 +402,9 @@ class Adjoint(NamedTuple):
     local: Callable[..., Any] | None = None  # ct -> cotangent of x, no message
 
 
-def _replicated(ct, comm, operation):
-    ct = _reductions.replicated_cotangent(ct, comm=comm, operation=operation)
-    return _reductions.pvary(ct, comm=comm)
+def _pvaried(ct, comm, operation):
+    ct = _replicated.replicated_cotangent(ct, comm=comm, operation=operation)
+    return _replicated.pvary(ct, comm=comm)
 
 
 def _from_dest(**p):
@@ -418,19 +417,17 @@ def _reply(**p):
 
 
 ADJOINTS: dict[str, Adjoint] = {
-    "iallreduce": Adjoint(None, local=lambda ct, comm, **_: _replicated(ct, comm, "iallreduce")),
+    "iallreduce": Adjoint(None, local=lambda ct, comm, **_: _pvaried(ct, comm, "iallreduce")),
     "ibcast": Adjoint(
         None,
-        local=lambda ct, comm, root: on_rank(comm.rank == root, _replicated(ct, comm, "ibcast")),
+        local=lambda ct, comm, root: on_rank(comm.rank == root, _pvaried(ct, comm, "ibcast")),
     ),
-    "iallgather": Adjoint(
-        None, local=lambda ct, comm: _replicated(ct, comm, "iallgather")[comm.rank]
-    ),
+    "iallgather": Adjoint(None, local=lambda ct, comm: _pvaried(ct, comm, "iallgather")[comm.rank]),
     "ialltoall": Adjoint("ialltoall"),
     "ireduce_scatter": Adjoint(
         "iallgather",
         params=lambda **_: {},
-        after=lambda ct, comm: _reductions.pvary(ct, comm=comm),
+        after=lambda ct, comm: _replicated.pvary(ct, comm=comm),
     ),
     "isend": Adjoint("irecv", params=_from_dest),
     "irecv": Adjoint("isend", params=_reply),

@@ -40,16 +40,14 @@ def _sendrecv_shape(x, *, shape, dtype, **_):
     return [core.ShapedArray(shape, dtype), STATUS]
 
 
-send_p = comm_primitive("send", lambda *_, **__: [], attrs=("dest", "tag"))
+send_p = comm_primitive("send", lambda *_, **__: [])
 # recv's operand is its template: only its shape and dtype are used (and its
 # buffer, when XLA can reuse it). Being an operand lets a tangent reach recv.
-recv_p = comm_primitive("recv", _recv_shape, attrs=("source", "tag"), aliases=in_place)
+recv_p = comm_primitive("recv", _recv_shape, aliases=in_place)
 # sendrecv never runs in place: receiving over the data being sent needs a
 # message-sized buffer anyway (MPI_Sendrecv_replace allocates one), so aliasing
 # would save no memory and cost a copy even where XLA could keep both arrays.
-sendrecv_p = comm_primitive(
-    "sendrecv", _sendrecv_shape, attrs=("source", "dest", "sendtag", "recvtag")
-)
+sendrecv_p = comm_primitive("sendrecv", _sendrecv_shape)
 barrier_p = comm_primitive("barrier", lambda **_: [])
 
 
@@ -59,7 +57,7 @@ def _tagged_shape(x, tags, *, shape, dtype, **_):
 
 # sendrecv whose (sendtag, recvtag) are an int32[2] operand: the AD of receives
 # from ANY_TAG (see any_tag_tangent). Never in place, as sendrecv.
-tagged_sendrecv_p = comm_primitive("tagged_sendrecv", _tagged_shape, attrs=("source", "dest"))
+tagged_sendrecv_p = comm_primitive("tagged_sendrecv", _tagged_shape)
 
 
 def send(x, *, comm: CommInfo, dest: int, tag: int) -> None:

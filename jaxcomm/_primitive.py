@@ -25,7 +25,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jaxcomm import _eager
 from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
-from jaxcomm._native import PLATFORMS
+from jaxcomm._native import PLATFORMS, cpu
 
 
 class CommInfo(NamedTuple):
@@ -39,6 +39,13 @@ class CommInfo(NamedTuple):
 
 
 AbstractEval = Callable[..., Sequence[Any]]
+
+# Each C++ operation's own attributes, from its one declaration (cpp/ops.h).
+_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    name: tuple(attributes) for name, attributes in cpu.attributes().items()
+}
+#: Every operation's primitive, by name: one for each operation in cpp/ops.h.
+OPERATIONS: dict[str, CommPrimitive] = {}
 
 
 def same_shape(x, **_):
@@ -57,12 +64,14 @@ class CommPrimitive(Primitive):
 
     multiple_results = True
 
-    def __init__(self, name: str, abstract_eval: AbstractEval, attrs: Sequence[str]):
+    def __init__(self, name: str, abstract_eval: AbstractEval):
         super().__init__(f"jaxcomm_{name}")
         self.op_name = name
         self.result_types = abstract_eval  # not abstract_eval: Primitive has its own
-        self.attrs = tuple(attrs)
-        self.eager = _eager.EagerOp(name, abstract_eval, attrs)
+        # The params passed to the FFI handler after the communicator and checking
+        # flag, by name inside jit and in this order eagerly: the C++ table's.
+        self.attrs: tuple[str, ...] = _ATTRIBUTES[name]
+        self.eager = _eager.EagerOp(name, abstract_eval, self.attrs)
         # Reached only through Primitive.bind, that is when the direct path cannot run.
         self.def_impl(partial(apply_primitive, self))
 
@@ -78,18 +87,22 @@ def comm_primitive(
     name: str,
     abstract_eval: AbstractEval,
     *,
-    attrs: Sequence[str] = (),
     aliases: Callable[..., dict[int, int] | None] | None = None,
     before_lowering: Callable[..., None] | None = None,
 ) -> Primitive:
     """Define the primitive for operation `name`.
 
-    abstract_eval(*avals, comm, **params) returns the output avals. `attrs` names
-    the params passed to the FFI handler besides the communicator (ints as int32,
-    strings as string attributes). `aliases(*avals, **params)` says which outputs
-    may reuse which inputs. `before_lowering(**params)` may refuse to lower a call.
+    `name` is an operation of cpp/ops.h, whose attributes (ints as int32, strings
+    as string attributes) the primitive's params must include.
+    abstract_eval(*avals, comm, **params) returns the output avals.
+    `aliases(*avals, **params)` says which outputs may reuse which inputs.
+    `before_lowering(**params)` may refuse to lower a call.
     """
-    primitive = CommPrimitive(name, abstract_eval, attrs)
+    if name not in _ATTRIBUTES:
+        raise ValueError(f"no operation {name!r} in the C++ table (cpp/ops.h)")
+    if name in OPERATIONS:
+        raise ValueError(f"operation {name!r} is declared twice")
+    primitive = OPERATIONS[name] = CommPrimitive(name, abstract_eval)
     primitive.def_effectful_abstract_eval(
         lambda *avals, **params: (abstract_eval(*avals, **params), {COMM_EFFECT})
     )
@@ -100,7 +113,7 @@ def comm_primitive(
         alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases else None
         rule = lower_with_token(f"jaxcomm_{name}", aliases=alias)
         ffi_attrs: dict[str, Any] = {"comm": np.int64(comm.key), "check": np.bool_(comm.check)}
-        for key in attrs:
+        for key in primitive.attrs:
             value = params[key]
             ffi_attrs[key] = value if isinstance(value, str) else np.int32(value)
         return rule(ctx, *operands, **ffi_attrs)

@@ -1,5 +1,5 @@
-"""Reductions: allreduce, reduce, scan, exscan, reduce_scatter; and pvary, the
-marker that turns a replicated value into a rank-dependent one.
+"""Reductions: allreduce, reduce, scan, exscan, reduce_scatter; and the transpose
+of pvary (jaxcomm._replicated), an allreduce.
 
 Each function takes one array and static arguments, checked by the JaxComm layer.
 
@@ -15,10 +15,8 @@ from functools import partial
 
 import jax.numpy as jnp
 from jax import core
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
 
-from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_identity
+from jaxcomm._collectives import allgather, bcast
 from jaxcomm._ops import ReduceOp
 from jaxcomm._primitive import (
     CommInfo,
@@ -28,33 +26,22 @@ from jaxcomm._primitive import (
     differentiable,
     in_place,
     instantiate,
-    linear_jvp,
     move_batch,
     same_shape,
     zero_tangent,
 )
+from jaxcomm._replicated import pvary, pvary_p, replicated_cotangent
 
 
 def _row(x, **_):
     return [core.ShapedArray(x.shape[1:], x.dtype)]
 
 
-allreduce_p = comm_primitive("allreduce", same_shape, attrs=("op",), aliases=in_place)
-reduce_p = comm_primitive("reduce", same_shape, attrs=("op", "root"), aliases=in_place)
-scan_p = comm_primitive("scan", same_shape, attrs=("op",), aliases=in_place)
-exscan_p = comm_primitive("exscan", same_shape, attrs=("op",), aliases=in_place)
-reduce_scatter_p = comm_primitive("reduce_scatter", _row, attrs=("op",))
-check_replicated_p = comm_primitive(
-    "check_replicated", same_shape, attrs=("operation",), aliases=in_place
-)
-
-# Identity on the data; it exists for its transpose. It carries the effect so that
-# it is never dropped: its transpose is a collective every rank must join.
-pvary_p = Primitive("jaxcomm_pvary")
-pvary_p.multiple_results = True
-pvary_p.def_impl(partial(apply_primitive, pvary_p))
-pvary_p.def_effectful_abstract_eval(lambda x, **_: ([x], {COMM_EFFECT}))
-mlir.register_lowering(pvary_p, lower_identity)
+allreduce_p = comm_primitive("allreduce", same_shape, aliases=in_place)
+reduce_p = comm_primitive("reduce", same_shape, aliases=in_place)
+scan_p = comm_primitive("scan", same_shape, aliases=in_place)
+exscan_p = comm_primitive("exscan", same_shape, aliases=in_place)
+reduce_scatter_p = comm_primitive("reduce_scatter", _row)
 
 
 def allreduce(x, *, comm: CommInfo, op: ReduceOp):
@@ -82,19 +69,6 @@ def reduce_scatter(x, *, comm: CommInfo, op: ReduceOp):
     return reduce_scatter_p.bind(x, comm=comm, op=op)[0]
 
 
-def pvary(x, *, comm: CommInfo):
-    """x unchanged; its cotangent is summed over ranks (the dual of allreduce)."""
-    return pvary_p.bind(x, comm=comm)[0]
-
-
-def replicated_cotangent(ct, *, comm: CommInfo, operation: str):
-    """The cotangent of a replicated result, as an array; in checking mode, first
-    verify that it is identical on every rank."""
-    if comm.check:
-        return check_replicated_p.bind(ct, comm=comm, operation=operation)[0]
-    return ct
-
-
 # -- JVPs of the nonlinear reductions -------------------------------------------------
 # The tangent of MAX/MIN flows from the rank(s) holding the extremum, split evenly
 # between ties; the tangent of PROD from the product of the other ranks' values.
@@ -110,8 +84,6 @@ def _product_of_others(rows, index):
 
 def _gathered(x, comm):
     """Every rank's x, for rank-dependent use (hence pvary: for second derivatives)."""
-    from jaxcomm._collectives import allgather
-
     return pvary(allgather(x, comm=comm), comm=comm)
 
 
@@ -133,8 +105,6 @@ def _on_root(comm, root, value, passed_through):
 
 
 def _reduce_tangent(x, y, t, *, comm, op, root):
-    from jaxcomm._collectives import bcast
-
     if op == ReduceOp.SUM:
         return reduce(t, comm=comm, op=op, root=root)
     if op in (ReduceOp.MAX, ReduceOp.MIN):
@@ -201,8 +171,6 @@ def _allreduce_transpose(ct, *, comm):
 
 
 def _reduce_transpose(ct, *, comm, root):
-    from jaxcomm._collectives import bcast
-
     from_root = pvary(bcast(ct, comm=comm, root=root), comm=comm)
     return from_root if comm.rank == root else from_root + ct
 
@@ -218,8 +186,6 @@ def _exscan_transpose(ct, *, comm):
 
 
 def _reduce_scatter_transpose(ct, *, comm):
-    from jaxcomm._collectives import allgather
-
     return pvary(allgather(ct, comm=comm), comm=comm)
 
 
@@ -245,17 +211,5 @@ for _primitive, _tangent, _transpose, _batch in [
     )
 define_rules(
     pvary_p,
-    jvp=linear_jvp(pvary_p),
     transpose=lambda cts, x, *, comm: [allreduce(instantiate(cts[0]), comm=comm, op=ReduceOp.SUM)],
-    batch=batch_elementwise(pvary_p),
-)
-define_rules(
-    check_replicated_p,
-    # An identity on values: tangents and cotangents pass through unchecked.
-    jvp=lambda primals, tangents, **params: (
-        check_replicated_p.bind(*primals, **params),
-        list(tangents),
-    ),
-    transpose=lambda cts, x, **_: [cts[0]],
-    batch=batch_elementwise(check_replicated_p),
 )

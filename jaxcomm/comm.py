@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import jax
@@ -14,14 +13,15 @@ from mpi4py import MPI
 from jaxcomm import (
     _collectives,
     _eager,
-    _fusion,
     _kernels,
     _native,
     _nonblocking,
     _p2p,
     _reductions,
+    _replicated,
     _settings,
 )
+from jaxcomm._dispatch import dispatch, map_leaves, recv_leaves, send_leaves, sendrecv_leaves
 from jaxcomm._jax_internals import ArrayImpl
 from jaxcomm._nonblocking import Request
 from jaxcomm._ops import ReduceOp, as_reduce_op, check_dtype, check_reduction
@@ -60,75 +60,6 @@ def _status(status: Any, result: Any) -> Status:
     if isinstance(status, np.ndarray):
         return Status(*_eager.scalars(status, result))
     return Status(status[0], status[1])
-
-
-def _dispatch(body, leaves: list, **static: Any) -> Any:
-    """body(leaves, **static): inline on the eager fast path (jaxcomm._eager) or
-    while tracing; otherwise as one cached jitted call, which JAX dispatches
-    faster than the primitives one by one."""
-    if _eager.can_run(leaves) or any(isinstance(a, jax.core.Tracer) for a in leaves):
-        return body(leaves, **static)
-    return _jitted(body, tuple(sorted(static.items())), leaves)
-
-
-@partial(jax.jit, static_argnums=(0, 1))
-def _jitted(body, static, leaves):
-    return body(leaves, **dict(static))
-
-
-def _map_leaves(leaves, *, primitive, comm, fuse=False, **params):
-    """`primitive` (an op on one array) on every leaf. With `fuse` (for element-wise
-    ops), small leaves of one dtype are flattened into one array so that they cost
-    one MPI call (jaxcomm._fusion)."""
-    if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-        return _eager.map_call(primitive.eager, leaves, comm, params, fuse)(leaves)
-    results = list(leaves)
-    types = [(leaf.shape, leaf.dtype) for leaf in leaves]
-    for members in _fusion.message_groups(types, fuse):
-        if len(members) == 1:
-            results[members[0]] = primitive.bind(leaves[members[0]], comm=comm, **params)[0]
-            continue
-        flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in members])
-        fused = primitive.bind(flat, comm=comm, **params)[0]
-        pieces = _fusion.split(fused, [types[i][0] for i in members])
-        for i, piece in zip(members, pieces, strict=True):
-            results[i] = piece
-    return results
-
-
-def _send_leaves(leaves, *, comm, dest, tag):
-    for leaf in leaves:
-        _p2p.send(leaf, comm=comm, dest=dest, tag=tag)
-
-
-def _recv_leaves(leaves, *, comm, source, tag):
-    results, status = [], None
-    for leaf in leaves:
-        out, status = _p2p.recv(leaf, comm=comm, source=source, tag=tag)
-        results.append(out)
-    return results, _no_message(source, tag) if status is None else status
-
-
-def _no_message(source, tag):
-    """The status of an empty pytree's receive: nothing arrived."""
-    return jnp.array([source, tag], np.int32)
-
-
-def _sendrecv_leaves(send_leaves, *, comm, templates, source, dest, sendtag, recvtag):
-    results, status = [], None
-    for leaf, (shape, dtype) in zip(send_leaves, templates, strict=True):
-        out, status = _p2p.sendrecv(
-            leaf,
-            comm=comm,
-            shape=shape,
-            dtype=dtype,
-            source=source,
-            dest=dest,
-            sendtag=sendtag,
-            recvtag=recvtag,
-        )
-        results.append(out)
-    return results, _no_message(source, recvtag) if status is None else status
 
 
 def _signed64(handle: int) -> int:
@@ -322,8 +253,8 @@ class JaxComm:
         if leading_axis is not None:
             for leaf in leaves:
                 self._leading_axis(operation, leaf, leading_axis)
-        results = _dispatch(
-            _map_leaves, leaves, primitive=primitive, fuse=elementwise, comm=comm, **params
+        results = dispatch(
+            map_leaves, leaves, primitive=primitive, fuse=elementwise, comm=comm, **params
         )
         _eager.remember_map(primitive.eager, x, comm, params, elementwise)
         return jax.tree.unflatten(tree, results)
@@ -398,7 +329,7 @@ class JaxComm:
         comm, params = self._comm, {"dest": dest, "tag": tag}
         if _eager.run_again(_p2p.send_p.eager, x, comm, params) is None:
             leaves, _ = self._leaves("send", x)
-            _dispatch(_send_leaves, leaves, comm=comm, **params)
+            dispatch(send_leaves, leaves, comm=comm, **params)
             _eager.remember(_p2p.send_p.eager, x, comm, params)
         return self
 
@@ -425,7 +356,7 @@ class JaxComm:
             leaves, tree = self._leaves("recv", x)
             if len(leaves) > 1 and source == MPI.ANY_SOURCE:
                 raise ValueError("recv: a pytree with several arrays needs an explicit source")
-            results, status = _dispatch(_recv_leaves, leaves, comm=comm, **params)
+            results, status = dispatch(recv_leaves, leaves, comm=comm, **params)
             _eager.remember(_p2p.recv_p.eager, x, comm, params)
             result = jax.tree.unflatten(tree, results)
         return (result, _status(status, result)) if return_status else result
@@ -476,8 +407,8 @@ class JaxComm:
         if len(send_leaves) > 1 and source == MPI.ANY_SOURCE:
             raise ValueError("sendrecv: a pytree with several arrays needs an explicit source")
         templates = tuple((r.shape, r.dtype) for r in recv_leaves)
-        results, status = _dispatch(
-            _sendrecv_leaves, send_leaves, comm=comm, templates=templates, **params
+        results, status = dispatch(
+            sendrecv_leaves, send_leaves, comm=comm, templates=templates, **params
         )
         if repeatable is not None:
             _eager.remember(_p2p.sendrecv_p.eager, sendbuf, comm, repeatable)
@@ -615,7 +546,7 @@ class JaxComm:
         """
         leaves, tree = self._leaves("pvary", x)
         comm = self._comm
-        return jax.tree.unflatten(tree, [_reductions.pvary(leaf, comm=comm) for leaf in leaves])
+        return jax.tree.unflatten(tree, [_replicated.pvary(leaf, comm=comm) for leaf in leaves])
 
     def barrier(self: Self) -> Self:
         """Block until every rank has reached the barrier. Returns self."""

@@ -185,6 +185,30 @@ def test_several_devices_per_process_are_refused(tmp_path):
         assert lines[1].startswith("refused: jaxcomm: allreduce in a computation over 2 devices")
 
 
+def test_an_eager_pytree_on_several_devices_sends_the_messages_of_one_device(tmp_path):
+    """Small leaves of one dtype travel as one message whichever devices they are
+    on: rank 0's leaves on two CPU devices match rank 1's on one, and each result
+    stays on its leaf's device."""
+    script = program(
+        tmp_path,
+        """
+        import jax, jax.numpy as jnp
+        from jaxcomm import JaxComm
+        comm = JaxComm()
+        first, second = jax.local_devices()
+        place = second if comm.rank == 0 else first
+        tree = {"a": jax.device_put(jnp.full(3, comm.rank + 1.0), first),
+                "b": jax.device_put(jnp.full(2, 10.0 * (comm.rank + 1)), place)}
+        out = comm.allreduce(tree)
+        print(out["a"].tolist(), out["b"].tolist(),
+              out["a"].devices() == {first}, out["b"].devices() == {place})
+    """,
+    )
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    for output in rank_outputs(2, script, timeout=TIMEOUT, env=env):
+        assert output.strip() == "[3.0, 3.0, 3.0] [30.0, 30.0] True True", output
+
+
 @pytest.mark.parametrize(
     ("name", "value", "accepted"),
     [

@@ -123,3 +123,21 @@ def test_a_compiled_call_after_free_raises_instead_of_using_a_reused_handle():
             jax.block_until_ready(call())
     assert_values(reuser.allreduce(jnp.ones(2)), np.full(2, reuser.size, FLOAT))
     reuser.free()
+
+
+def test_the_cpp_and_python_declarations_agree():
+    """cpp/ops.h declares every operation once; each has one Python primitive, and
+    the modules register exactly those (the CUDA one: the blocking operations).
+    The reduction operators have the same numbers on both sides."""
+    from jaxcomm import _native, _nonblocking
+    from jaxcomm._ops import ReduceOp
+    from jaxcomm._primitive import OPERATIONS
+
+    assert list(_native.cpu.reduce_op_names) == [op.name.lower() for op in ReduceOp]
+
+    declared = set(_native.cpu.attributes())
+    assert set(OPERATIONS) == declared
+    assert set(_native.cpu.registrations()) == {f"jaxcomm_{n}" for n in declared | {"wait"}}
+    if _native.cuda is not None:
+        blocking = declared - set(_nonblocking.OPERATIONS)
+        assert set(_native.cuda.registrations()) == {f"jaxcomm_{n}" for n in blocking}

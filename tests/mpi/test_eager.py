@@ -180,3 +180,25 @@ def test_shortcut_refuses_a_freed_communicator_and_a_deleted_array(comm):
     tree["b"].delete()
     with pytest.raises(RuntimeError, match="deleted"):
         comm.allreduce(tree)
+
+
+def test_prepared_calls_are_bounded_least_recently_used_first():
+    cache = _eager._Prepared(2)
+    cache.put(("a",), 1)
+    cache.put(("b",), 2)
+    assert cache.get(("a",)) == 1  # a is now the most recently used
+    cache.put(("c",), 3)  # b goes
+    assert cache.get(("b",)) is None and cache.get(("a",)) == 1 and cache.get(("c",)) == 3
+    assert cache.get_or_make(("d",), lambda: 4) == 4  # a goes
+    assert cache.get(("a",)) is None and cache.get_or_make(("c",), lambda: 5) == 3
+
+
+def test_calls_whose_preparation_was_evicted_give_the_right_values(comm, monkeypatch):
+    monkeypatch.setattr(_eager._prepared_calls, "_size", 3)
+    for _ in range(2):
+        for n in range(1, 8):  # 7 signatures, each several entries, through 3 places
+            tree = {"a": jnp.full(n, float(comm.rank)), "b": jnp.ones((n, 2), np.int32)}
+            out = comm.allreduce(tree)
+            assert_values(out["a"], np.full(n, sum(range(comm.size)), FLOAT))
+            assert_values(out["b"], np.full((n, 2), comm.size, np.int32))
+            assert len(_eager._prepared_calls._calls) <= 3

@@ -1,0 +1,62 @@
+"""The gradient convention for replicated values (see docs/autodiff).
+
+A result that every rank holds identically (allreduce, bcast, allgather) is one
+replicated value: its cotangent is taken to be replicated too (checked in checking
+mode by check_replicated), and flows back through pvary. pvary marks a
+replicated value that flows into rank-dependent code: the identity on values,
+whose transpose, an allreduce, is attached in _reductions.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_identity
+from jaxcomm._primitive import (
+    CommInfo,
+    batch_elementwise,
+    comm_primitive,
+    define_rules,
+    in_place,
+    linear_jvp,
+    same_shape,
+)
+
+# Identity on the data; it exists for its transpose. It carries the effect so that
+# it is never dropped: its transpose is a collective every rank must join.
+pvary_p = Primitive("jaxcomm_pvary")
+pvary_p.multiple_results = True
+pvary_p.def_impl(partial(apply_primitive, pvary_p))
+pvary_p.def_effectful_abstract_eval(lambda x, **_: ([x], {COMM_EFFECT}))
+mlir.register_lowering(pvary_p, lower_identity)
+
+check_replicated_p = comm_primitive("check_replicated", same_shape, aliases=in_place)
+
+
+def pvary(x, *, comm: CommInfo):
+    """x unchanged; its cotangent is summed over ranks (the dual of allreduce)."""
+    return pvary_p.bind(x, comm=comm)[0]
+
+
+def replicated_cotangent(ct, *, comm: CommInfo, operation: str):
+    """The cotangent of a replicated result, as an array; in checking mode, first
+    verify that it is identical on every rank."""
+    if comm.check:
+        return check_replicated_p.bind(ct, comm=comm, operation=operation)[0]
+    return ct
+
+
+define_rules(pvary_p, jvp=linear_jvp(pvary_p), batch=batch_elementwise(pvary_p))
+define_rules(
+    check_replicated_p,
+    # An identity on values: tangents and cotangents pass through unchecked.
+    jvp=lambda primals, tangents, **params: (
+        check_replicated_p.bind(*primals, **params),
+        list(tangents),
+    ),
+    transpose=lambda cts, x, **_: [cts[0]],
+    batch=batch_elementwise(check_replicated_p),
+)
