@@ -1,9 +1,11 @@
 """How a jaxcomm operation becomes a JAX primitive, and the helpers its rules share.
 
-Every operation is a multiple-results primitive carrying COMM_EFFECT, lowered to
-the FFI target ``jaxcomm_<name>`` with the effect token threaded through it, and
-evaluated eagerly by compiling the single primitive (cached per signature). The
-op families (_reductions, _collectives, _p2p) attach JVP, transpose and batching
+Every operation of the C++ table (cpp/ops.h) is a multiple-results primitive
+carrying COMM_EFFECT, lowered to the FFI target ``jaxcomm_<name>`` with the effect
+token threaded through it and the table's attributes, and run eagerly on host
+arrays by jaxcomm._eager (else by compiling the single primitive). The op
+families (_reductions, _collectives, _p2p, _replicated, _nonblocking) declare
+their primitives with `comm_primitive` and attach JVP, transpose and batching
 rules with `define_rules`.
 
 AD rules must make the same MPI calls on every rank: a transpose rule is called
@@ -45,7 +47,7 @@ _ATTRIBUTES: dict[str, tuple[str, ...]] = {
     name: tuple(attributes) for name, attributes in cpu.attributes().items()
 }
 #: Every operation's primitive, by name: one for each operation in cpp/ops.h.
-OPERATIONS: dict[str, CommPrimitive] = {}
+PRIMITIVES: dict[str, CommPrimitive] = {}
 
 
 def same_shape(x, **_):
@@ -100,9 +102,9 @@ def comm_primitive(
     """
     if name not in _ATTRIBUTES:
         raise ValueError(f"no operation {name!r} in the C++ table (cpp/ops.h)")
-    if name in OPERATIONS:
+    if name in PRIMITIVES:
         raise ValueError(f"operation {name!r} is declared twice")
-    primitive = OPERATIONS[name] = CommPrimitive(name, abstract_eval)
+    primitive = PRIMITIVES[name] = CommPrimitive(name, abstract_eval)
     primitive.def_effectful_abstract_eval(
         lambda *avals, **params: (abstract_eval(*avals, **params), {COMM_EFFECT})
     )

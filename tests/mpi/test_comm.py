@@ -131,12 +131,12 @@ def test_the_cpp_and_python_declarations_agree():
     The reduction operators have the same numbers on both sides."""
     from jaxcomm import _native, _nonblocking
     from jaxcomm._ops import ReduceOp
-    from jaxcomm._primitive import OPERATIONS
+    from jaxcomm._primitive import PRIMITIVES
 
     assert list(_native.cpu.reduce_op_names) == [op.name.lower() for op in ReduceOp]
 
     declared = set(_native.cpu.attributes())
-    assert set(OPERATIONS) == declared
+    assert set(PRIMITIVES) == declared
     assert set(_native.cpu.registrations()) == {f"jaxcomm_{n}" for n in declared | {"wait"}}
     if _native.cuda is not None:
         blocking = declared - set(_nonblocking.OPERATIONS)
