@@ -182,10 +182,12 @@ _prepared_calls = _Prepared(4096)
 
 
 def _prepared(op: EagerOp, in_types, comm, params, device, wrapped=None) -> cpu.EagerCall:
+    # On the per-call path (CommPrimitive.bind's direct path): no closure to build.
     key = ("call", op, in_types, comm, params, device, wrapped)
-    return _prepared_calls.get_or_make(
-        key, lambda: op.prepare(in_types, comm, params, device, wrapped)
-    )
+    call = _prepared_calls.get(key)
+    if call is None:
+        call = _prepared_calls.put(key, op.prepare(in_types, comm, params, device, wrapped))
+    return call
 
 
 class MapCall:
