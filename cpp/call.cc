@@ -148,17 +148,7 @@ const char* reduce_op_name(int32_t op) {
   return op >= 0 && op < static_cast<int32_t>(std::size(names)) ? names[op] : "?";
 }
 
-const char* dtype_name(ffi::DataType dtype) {
-  switch (dtype) {
-#define JAXCOMM_DTYPE_NAME(name, storage, text, mpi) \
-  case ffi::DataType::name:                          \
-    return text;
-    JAXCOMM_DTYPES(JAXCOMM_DTYPE_NAME)
-#undef JAXCOMM_DTYPE_NAME
-    default:
-      return "unsupported";
-  }
-}
+const char* dtype_name(ffi::DataType dtype) { return dtype_info(dtype).name; }
 
 std::string describe_array(ffi::DataType dtype, ffi::Span<const int64_t> dims) {
   std::string text = dtype_name(dtype);

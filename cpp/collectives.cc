@@ -21,19 +21,34 @@
 namespace jaxcomm::host {
 namespace {
 
-// Records the reduction `op` among the call's params, checking mode's agreement
-// on the call, then the MPI datatype and operator that reduce x.
-ffi::Error start_reduction(Call& call, const Buffer& x, int32_t op, MPI_Datatype* type,
-                           MPI_Op* mpi) {
-  call.reduce_op(op);
-  if (auto err = call.agree(); err.failure()) return err;
-  return reduction_of(x, op, call.operation(), type, mpi);
+// A collective past checking mode's agreement on the call: its communicator and
+// the MPI datatype of its elements, or the error that ends it.
+struct Started {
+  ffi::Error error;
+  MPI_Comm comm;
+  MPI_Datatype type;
+};
+
+Started start(Call& call, const Buffer& x) {
+  Started started{call.agree(), call.comm(), MPI_DATATYPE_NULL};
+  if (started.error.success()) started.error = datatype_of(x, call.operation(), &started.type);
+  return started;
 }
 
-// Checking mode's agreement on the call, then the MPI datatype of x.
-ffi::Error start(Call& call, const Buffer& x, MPI_Datatype* type) {
-  if (auto err = call.agree(); err.failure()) return err;
-  return datatype_of(x, call.operation(), type);
+// The same for a reduction, which records `op` among the call's params; with the
+// MPI operator that reduces x's elements.
+struct StartedReduction {
+  ffi::Error error;
+  MPI_Comm comm;
+  MPI_Datatype type;
+  MPI_Op mpi;
+};
+
+StartedReduction start_reduction(Call& call, const Buffer& x, int32_t op) {
+  StartedReduction started{call.reduce_op(op).agree(), call.comm(), MPI_DATATYPE_NULL, MPI_OP_NULL};
+  if (started.error.success())
+    started.error = reduction_of(x, op, call.operation(), &started.type, &started.mpi);
+  return started;
 }
 
 int comm_size(MPI_Comm comm) {
@@ -46,10 +61,8 @@ int comm_size(MPI_Comm comm) {
 // elements in int-sized pieces; logical results become 0 or 1.
 template <auto kReduce>
 ffi::Error reduce_elements(Call& call, const Buffer& x, Result& out, int32_t op) {
-  MPI_Datatype type;
-  MPI_Op mpi;
-  if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
-  MPI_Comm comm = call.comm();
+  auto [error, comm, type, mpi] = start_reduction(call, x, op);
+  if (error.failure()) return error;
   JAXCOMM_CHECK_MPI(reduce_pieces(x.untyped_data(), out->untyped_data(), x.element_count(), type,
                                   [&](const void* i, void* o, int n) {
                                     return kReduce(i, o, n, type, mpi, comm);
@@ -83,11 +96,8 @@ ffi::Error Exscan(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool 
 ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check, int32_t op,
                   int32_t root) {
   Call call(comm_key, check, "reduce", x);
-  call.param("root", root);
-  MPI_Datatype type;
-  MPI_Op mpi;
-  if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
-  MPI_Comm comm = call.comm();
+  auto [error, comm, type, mpi] = start_reduction(call.param("root", root), x, op);
+  if (error.failure()) return error;
   const bool is_root = comm_rank(comm) == root;
   // Non-root ranks get their input back, so the output is always written.
   if (!is_root) copy_if_distinct(out, x);
@@ -107,10 +117,8 @@ ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool 
 ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                          int32_t op) {
   Call call(comm_key, check, "reduce_scatter", x);
-  MPI_Datatype type;
-  MPI_Op mpi;
-  if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
-  MPI_Comm comm = call.comm();
+  auto [error, comm, type, mpi] = start_reduction(call, x, op);
+  if (error.failure()) return error;
   const int64_t block = out->element_count();
   if (block <= kMaxCount) {
     JAXCOMM_CHECK_MPI(MPI_Reduce_scatter_block(x.untyped_data(), out->untyped_data(),
@@ -138,10 +146,8 @@ ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_key
 ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                  int32_t root) {
   Call call(comm_key, check, "bcast", x);
-  call.param("root", root);
-  MPI_Datatype type;
-  if (auto err = start(call, x, &type); err.failure()) return err;
-  MPI_Comm comm = call.comm();
+  auto [error, comm, type] = start(call.param("root", root), x);
+  if (error.failure()) return error;
   if (comm_rank(comm) == root) copy_if_distinct(out, x);
   const size_t width = ffi::ByteWidth(x.element_type());
   JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
@@ -156,10 +162,8 @@ ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool c
 ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                   int32_t root) {
   Call call(comm_key, check, "gather", x);
-  call.param("root", root);
-  MPI_Datatype type;
-  if (auto err = start(call, x, &type); err.failure()) return err;
-  MPI_Comm comm = call.comm();
+  auto [error, comm, type] = start(call.param("root", root), x);
+  if (error.failure()) return error;
   Block block(x.element_count(), type);
   const bool is_root = comm_rank(comm) == root;
   // Non-root ranks get their input back, so the output is always written.
@@ -173,9 +177,8 @@ ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool 
 
 ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check) {
   Call call(comm_key, check, "allgather", x);
-  MPI_Datatype type;
-  if (auto err = start(call, x, &type); err.failure()) return err;
-  MPI_Comm comm = call.comm();
+  auto [error, comm, type] = start(call, x);
+  if (error.failure()) return error;
   Block block(x.element_count(), type);
   JAXCOMM_CHECK_MPI(MPI_Allgather(x.untyped_data(), block.count(), block.type(),
                                   out->untyped_data(), block.count(), block.type(), comm),
@@ -186,10 +189,8 @@ ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bo
 ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                    int32_t root) {
   Call call(comm_key, check, "scatter", *out);
-  call.param("root", root);
-  MPI_Datatype type;
-  if (auto err = start(call, x, &type); err.failure()) return err;
-  MPI_Comm comm = call.comm();
+  auto [error, comm, type] = start(call.param("root", root), x);
+  if (error.failure()) return error;
   Block block(out->element_count(), type);
   const bool is_root = comm_rank(comm) == root;
   JAXCOMM_CHECK_MPI(MPI_Scatter(is_root ? x.untyped_data() : nullptr, block.count(), block.type(),
@@ -200,9 +201,8 @@ ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool
 
 ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check) {
   Call call(comm_key, check, "alltoall", x);
-  MPI_Datatype type;
-  if (auto err = start(call, x, &type); err.failure()) return err;
-  MPI_Comm comm = call.comm();
+  auto [error, comm, type] = start(call, x);
+  if (error.failure()) return error;
   Block block(x.element_count() / comm_size(comm), type);
   const void* in = bytes(out) == bytes(x) ? MPI_IN_PLACE : x.untyped_data();
   JAXCOMM_CHECK_MPI(MPI_Alltoall(in, block.count(), block.type(), out->untyped_data(),
@@ -249,10 +249,8 @@ std::function<void()> normalize_later(Result& out, int32_t op) {
 ffi::Error Iallreduce(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
                       int64_t comm_key, bool check, int32_t op) {
   Call call(comm_key, check, "iallreduce", x);
-  MPI_Datatype type;
-  MPI_Op mpi;
-  if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
-  MPI_Comm comm = call.comm();
+  auto [error, comm, type, mpi] = start_reduction(call, x, op);
+  if (error.failure()) return error;
   Pending pending = pending_into("iallreduce", comm_key, check, out, normalize_later(out, op));
   JAXCOMM_CHECK_MPI(reduce_pieces(x.untyped_data(), out->untyped_data(), x.element_count(), type,
                                   [&](const void* i, void* o, int n) {
@@ -266,10 +264,8 @@ ffi::Error Iallreduce(Token, Buffer x, TokenOut, Result out, Result request, Res
 ffi::Error IreduceScatter(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
                           int64_t comm_key, bool check, int32_t op) {
   Call call(comm_key, check, "ireduce_scatter", x);
-  MPI_Datatype type;
-  MPI_Op mpi;
-  if (auto err = start_reduction(call, x, op, &type, &mpi); err.failure()) return err;
-  MPI_Comm comm = call.comm();
+  auto [error, comm, type, mpi] = start_reduction(call, x, op);
+  if (error.failure()) return error;
   const int64_t block = out->element_count();
   if (block > kMaxCount)
     return invalid_argument("ireduce_scatter",
@@ -286,10 +282,8 @@ ffi::Error IreduceScatter(Token, Buffer x, TokenOut, Result out, Result request,
 ffi::Error Ibcast(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
                   int64_t comm_key, bool check, int32_t root) {
   Call call(comm_key, check, "ibcast", x);
-  call.param("root", root);
-  MPI_Datatype type;
-  if (auto err = start(call, x, &type); err.failure()) return err;
-  MPI_Comm comm = call.comm();
+  auto [error, comm, type] = start(call.param("root", root), x);
+  if (error.failure()) return error;
   if (comm_rank(comm) == root) copy_if_distinct(out, x);
   Pending pending = pending_into("ibcast", comm_key, check, out);
   const size_t width = ffi::ByteWidth(x.element_type());
@@ -311,9 +305,8 @@ ffi::Error exchange_blocks(const Buffer& x, Result& out, Result& request, int64_
                            bool check) {
   constexpr std::string_view name = kAlltoall ? "ialltoall" : "iallgather";
   Call call(comm_key, check, name, x);
-  MPI_Datatype type;
-  if (auto err = start(call, x, &type); err.failure()) return err;
-  MPI_Comm comm = call.comm();
+  auto [error, comm, type] = start(call, x);
+  if (error.failure()) return error;
   // MPI lets a datatype be freed (Block's destructor) while a request uses it.
   Block block(x.element_count() / (kAlltoall ? comm_size(comm) : 1), type);
   Pending pending = pending_into(name, comm_key, check, out);

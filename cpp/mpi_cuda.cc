@@ -259,14 +259,26 @@ class DeviceMemory final : public host::Memory {
 
 enum class Pointers { kDevice, kDeviceUnlessHalfFloat, kHost };
 
-// Which pointers a CUDA-aware call hands to MPI.
-constexpr Pointers pointers_for(std::string_view op) {
-  if (op == "check_replicated" || op == "tagged_sendrecv") return Pointers::kHost;
-  if (op == "allreduce" || op == "reduce" || op == "scan" || op == "exscan" ||
-      op == "reduce_scatter")
-    return Pointers::kDeviceUnlessHalfFloat;
-  return Pointers::kDevice;
-}
+// Whether Function is one of Functions (functions of any type).
+template <auto F, auto G>
+constexpr bool kSame = false;
+template <auto F>
+constexpr bool kSame<F, F> = true;
+
+template <auto Function, auto... Functions>
+constexpr bool kAmong = (kSame<Function, Functions> || ...);
+
+// Which pointers a CUDA-aware call hands to MPI, by host function: device
+// pointers, but host copies for half-float reductions (jaxcomm's own MPI
+// operators reduce those, on the host) and for the functions that read their
+// buffers on the host.
+template <auto Function>
+constexpr Pointers kPointers =
+    kAmong<Function, &host::CheckReplicated, &host::TaggedSendrecv> ? Pointers::kHost
+    : kAmong<Function, &host::Allreduce, &host::Reduce, &host::Scan, &host::Exscan,
+             &host::ReduceScatter>
+        ? Pointers::kDeviceUnlessHalfFloat
+        : Pointers::kDevice;
 
 template <typename T>
 bool is_half_float(const T&) {
@@ -276,14 +288,15 @@ bool is_half_float(const host::Buffer& b) {
   return b.element_type() == ffi::DataType::F16 || b.element_type() == ffi::DataType::BF16;
 }
 
-template <auto Function, Pointers kPointers>
+template <auto Function>
 struct Staged;
 
-template <typename... Args, ffi::Error (*Function)(Args...), Pointers kPointers>
-struct Staged<Function, kPointers> {
+template <typename... Args, ffi::Error (*Function)(Args...)>
+struct Staged<Function> {
   static bool direct(const Args&... args) {
-    if (kPointers == Pointers::kHost || !cuda_aware()) return false;
-    return kPointers == Pointers::kDevice || !(is_half_float(args) || ...);
+    constexpr Pointers pointers = kPointers<Function>;
+    if (pointers == Pointers::kHost || !cuda_aware()) return false;
+    return pointers == Pointers::kDevice || !(is_half_float(args) || ...);
   }
 
   static ffi::Error Call(cudaStream_t stream, Args... args) {
@@ -306,8 +319,7 @@ struct Staged<Function, kPointers> {
 }  // namespace
 
 #define JAXCOMM_DEFINE_CUDA_HANDLER(name, function, binding, attributes)              \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name##_cuda,                                \
-                                (Staged<&host::function, pointers_for(#name)>::Call), \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name##_cuda, Staged<&host::function>::Call, \
                                 binding attributes);
 JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CUDA_HANDLER,
                    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(),

@@ -79,27 +79,30 @@ auto with_comm(Binding&& binding) {
   return std::forward<Binding>(binding).template Attr<int64_t>("comm").template Attr<bool>("check");
 }
 
-// token, x -> token, ...
-template <typename Binding>
+// Adds the results `Result, Results...` to a binding, in order. (Bindings cannot
+// be copied or moved: each step makes a new one.)
+template <typename Result, typename... Results, typename Binding>
+auto returning(Binding&& binding) {
+  if constexpr (sizeof...(Results) == 0) {
+    return std::forward<Binding>(binding).template Ret<Result>();
+  } else {
+    return returning<Results...>(std::forward<Binding>(binding).template Ret<Result>());
+  }
+}
+
+// token, x -> token, Results..., with the communicator's attributes. In the table
+// below, a binding whose template arguments hold a comma is in parentheses.
+template <typename... Results, typename Binding>
 auto one_input(Binding&& base) {
-  return std::forward<Binding>(base)
-      .template Arg<host::Token>()
-      .template Arg<host::Buffer>()
-      .template Ret<host::Token>();
-}
-
-// token, x -> token, out
-template <typename Binding>
-auto unary(Binding&& base) {
-  return with_comm(one_input(std::forward<Binding>(base)).template Ret<host::Buffer>());
-}
-
-// token, x -> token, out, status (source, tag)
-template <typename Binding>
-auto receiving(Binding&& base) {
-  return with_comm(one_input(std::forward<Binding>(base))
-                       .template Ret<host::Buffer>()
-                       .template Ret<host::StatusBuffer>());
+  auto inputs = std::forward<Binding>(base)
+                    .template Arg<host::Token>()
+                    .template Arg<host::Buffer>()
+                    .template Ret<host::Token>();
+  if constexpr (sizeof...(Results) == 0) {
+    return with_comm(std::move(inputs));
+  } else {
+    return with_comm(returning<Results...>(std::move(inputs)));
+  }
 }
 
 // X(name, function, binding, attributes) for every operation: the FFI target is
@@ -108,62 +111,50 @@ auto receiving(Binding&& base) {
 // caller's A makes them `.Attr<type>("name")` to complete the binding
 // (JAXCOMM_BIND_ATTRIBUTE) or lists their names (the Python side derives its
 // primitives' attributes, and the eager path their order, from these).
-#define JAXCOMM_OPERATIONS(X, base, A)                                           \
-  X(allreduce, Allreduce, unary(base), A(int32_t, op))                           \
-  X(reduce, Reduce, unary(base), A(int32_t, op) A(int32_t, root))                \
-  X(scan, Scan, unary(base), A(int32_t, op))                                     \
-  X(exscan, Exscan, unary(base), A(int32_t, op))                                 \
-  X(reduce_scatter, ReduceScatter, unary(base), A(int32_t, op))                  \
-  X(bcast, Bcast, unary(base), A(int32_t, root))                                 \
-  X(gather, Gather, unary(base), A(int32_t, root))                               \
-  X(allgather, Allgather, unary(base), )                                         \
-  X(scatter, Scatter, unary(base), A(int32_t, root))                             \
-  X(alltoall, Alltoall, unary(base), )                                           \
-  X(send, Send, with_comm(one_input(base)), A(int32_t, dest) A(int32_t, tag))    \
-  X(recv, Recv, receiving(base), A(int32_t, source) A(int32_t, tag))             \
-  X(sendrecv, Sendrecv, receiving(base),                                         \
-    A(int32_t, source) A(int32_t, dest) A(int32_t, sendtag) A(int32_t, recvtag)) \
-  X(tagged_sendrecv, TaggedSendrecv,                                             \
-    with_comm(base.Arg<host::Token>()                                            \
-                  .Arg<host::Buffer>()                                           \
-                  .Arg<host::Buffer>()                                           \
-                  .Ret<host::Token>()                                            \
-                  .Ret<host::Buffer>()                                           \
-                  .Ret<host::StatusBuffer>()),                                   \
-    A(int32_t, source) A(int32_t, dest))                                         \
-  X(barrier, Barrier, with_comm(base.Arg<host::Token>().Ret<host::Token>()), )   \
-  X(check_replicated, CheckReplicated, unary(base), A(std::string_view, operation))
+#define JAXCOMM_OPERATIONS(X, base, A)                                              \
+  X(allreduce, Allreduce, one_input<host::Buffer>(base), A(int32_t, op))            \
+  X(reduce, Reduce, one_input<host::Buffer>(base), A(int32_t, op) A(int32_t, root)) \
+  X(scan, Scan, one_input<host::Buffer>(base), A(int32_t, op))                      \
+  X(exscan, Exscan, one_input<host::Buffer>(base), A(int32_t, op))                  \
+  X(reduce_scatter, ReduceScatter, one_input<host::Buffer>(base), A(int32_t, op))   \
+  X(bcast, Bcast, one_input<host::Buffer>(base), A(int32_t, root))                  \
+  X(gather, Gather, one_input<host::Buffer>(base), A(int32_t, root))                \
+  X(allgather, Allgather, one_input<host::Buffer>(base), )                          \
+  X(scatter, Scatter, one_input<host::Buffer>(base), A(int32_t, root))              \
+  X(alltoall, Alltoall, one_input<host::Buffer>(base), )                            \
+  X(send, Send, one_input<>(base), A(int32_t, dest) A(int32_t, tag))                \
+  X(recv, Recv, (one_input<host::Buffer, host::StatusBuffer>(base)),                \
+    A(int32_t, source) A(int32_t, tag))                                             \
+  X(sendrecv, Sendrecv, (one_input<host::Buffer, host::StatusBuffer>(base)),        \
+    A(int32_t, source) A(int32_t, dest) A(int32_t, sendtag) A(int32_t, recvtag))    \
+  X(tagged_sendrecv, TaggedSendrecv,                                                \
+    with_comm(base.Arg<host::Token>()                                               \
+                  .Arg<host::Buffer>()                                              \
+                  .Arg<host::Buffer>()                                              \
+                  .Ret<host::Token>()                                               \
+                  .Ret<host::Buffer>()                                              \
+                  .Ret<host::StatusBuffer>()),                                      \
+    A(int32_t, source) A(int32_t, dest))                                            \
+  X(barrier, Barrier, with_comm(base.Arg<host::Token>().Ret<host::Token>()), )      \
+  X(check_replicated, CheckReplicated, one_input<host::Buffer>(base),               \
+    A(std::string_view, operation))
 
 #define JAXCOMM_BIND_ATTRIBUTE(type, name) .Attr<type>(#name)
 #define JAXCOMM_ATTRIBUTE_NAME(type, name) #name,
 
-// token, x -> token, out, request, keep
-template <typename Binding>
-auto starting(Binding&& base) {
-  return with_comm(one_input(std::forward<Binding>(base))
-                       .template Ret<host::Buffer>()
-                       .template Ret<host::Buffer>()
-                       .template Ret<host::Buffer>());
-}
-
-// token, x -> token, two results
-template <typename Binding>
-auto two_results(Binding&& base) {
-  return with_comm(one_input(std::forward<Binding>(base))
-                       .template Ret<host::Buffer>()
-                       .template Ret<host::Buffer>());
-}
-
 // The non-blocking starts, as JAXCOMM_OPERATIONS; the CPU backend registers them
-// and jaxcomm_wait.
-#define JAXCOMM_NONBLOCKING_OPERATIONS(X, base, A)                     \
-  X(iallreduce, Iallreduce, starting(base), A(int32_t, op))            \
-  X(ireduce_scatter, IreduceScatter, starting(base), A(int32_t, op))   \
-  X(ibcast, Ibcast, starting(base), A(int32_t, root))                  \
-  X(iallgather, Iallgather, starting(base), )                          \
-  X(ialltoall, Ialltoall, starting(base), )                            \
-  X(isend, Isend, two_results(base), A(int32_t, dest) A(int32_t, tag)) \
-  X(irecv, Irecv, two_results(base), A(int32_t, source) A(int32_t, tag))
+// and jaxcomm_wait. A start returns its result's buffer, the request and x passed
+// through (isend has no result, irecv no x).
+#define JAXCOMM_NONBLOCKING_OPERATIONS(X, base, A)                                                 \
+  X(iallreduce, Iallreduce, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)),           \
+    A(int32_t, op))                                                                                \
+  X(ireduce_scatter, IreduceScatter, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)),  \
+    A(int32_t, op))                                                                                \
+  X(ibcast, Ibcast, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)), A(int32_t, root)) \
+  X(iallgather, Iallgather, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)), )         \
+  X(ialltoall, Ialltoall, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)), )           \
+  X(isend, Isend, (one_input<host::Buffer, host::Buffer>(base)), A(int32_t, dest) A(int32_t, tag)) \
+  X(irecv, Irecv, (one_input<host::Buffer, host::Buffer>(base)), A(int32_t, source) A(int32_t, tag))
 
 template <typename Binding>
 auto waiting(Binding&& base) {

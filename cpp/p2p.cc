@@ -76,6 +76,44 @@ ffi::Error check_count(const MPI_Status& s, MPI_Datatype type, int expected, std
                                   " (the sender's array and the template differ in size)");
 }
 
+// A receive in pieces: later pieces come from the sender of the first, with its
+// tag (a receive from MPI_ANY_SOURCE or MPI_ANY_TAG learns them from it), each
+// piece must hold the count expected, and the status output is the first's.
+class PieceReceiver {
+ public:
+  PieceReceiver(int source, int tag) : source_(source), tag_(tag) {}
+  int source() const { return source_; }
+  int tag() const { return tag_; }
+
+  // Piece `step`, of `n` elements of `type`, ended with MPI's `code` and `s`.
+  // Returns the code for for_each_piece.
+  int arrived(int64_t step, int code, const MPI_Status& s, MPI_Datatype type, int n,
+              std::string_view op) {
+    if (step == 0) {
+      first_ = s;
+      if (source_ != MPI_PROC_NULL) {
+        source_ = s.MPI_SOURCE;
+        tag_ = s.MPI_TAG;
+      }
+    }
+    if (code == MPI_SUCCESS) count_error_ = check_count(s, type, n, op);
+    return count_error_.failure() ? MPI_ERR_OTHER : code;
+  }
+
+  // The receive's error, given for_each_piece's `result`; else writes the status.
+  ffi::Error finish(int result, std::string_view op, MPI_Comm comm, Status& status) {
+    if (count_error_.failure()) return std::move(count_error_);
+    JAXCOMM_CHECK_MPI(result, op, comm);
+    write_status(status, first_);
+    return ffi::Error::Success();
+  }
+
+ private:
+  int source_, tag_;
+  MPI_Status first_{};
+  ffi::Error count_error_ = ffi::Error::Success();
+};
+
 }  // namespace
 
 ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_key, bool check, int32_t dest,
@@ -109,22 +147,14 @@ ffi::Error Recv(Token, Buffer /*like*/, TokenOut, Result out, Status status, int
     return err;
   if (source == MPI_PROC_NULL) zero(out);
   const size_t width = ffi::ByteWidth(out->element_type());
-  MPI_Status s{};
-  ffi::Error piece_error = ffi::Error::Success();
+  PieceReceiver receiver(source, tag);
   const int result = for_each_piece(out->element_count(), [&](int64_t offset, int n) {
-    int code = recv(bytes(out) + offset * width, n, type, source, tag, comm, &s);
-    // Later pieces come from the sender of the first.
-    if (offset == 0 && source != MPI_PROC_NULL) {
-      source = s.MPI_SOURCE;
-      tag = s.MPI_TAG;
-    }
-    if (code == MPI_SUCCESS) piece_error = check_count(s, type, n, "recv");
-    return piece_error.failure() ? MPI_ERR_OTHER : code;
+    MPI_Status s{};
+    const int code =
+        recv(bytes(out) + offset * width, n, type, receiver.source(), receiver.tag(), comm, &s);
+    return receiver.arrived(offset / kMaxCount, code, s, type, n, "recv");
   });
-  if (piece_error.failure()) return piece_error;
-  JAXCOMM_CHECK_MPI(result, "recv", comm);
-  write_status(status, s);
-  return ffi::Error::Success();
+  return receiver.finish(result, "recv", comm, status);
 }
 
 ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm_key,
@@ -162,31 +192,20 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
   // rank does not know how its destination's other messages are split, so it
   // sends nothing beyond its own pieces.
   const int64_t send_pieces = pieces(send_count), recv_pieces = pieces(recv_count);
-  MPI_Status first{}, s{};
-  ffi::Error piece_error = ffi::Error::Success();
+  PieceReceiver receiver(source, recvtag);
   const int result = for_each_piece(std::max(send_count, recv_count), [&](int64_t offset, int n) {
     const int64_t step = offset / kMaxCount;
     const int to = step < send_pieces ? dest : MPI_PROC_NULL;
-    const int from = step < recv_pieces ? source : MPI_PROC_NULL;
+    const int from = step < recv_pieces ? receiver.source() : MPI_PROC_NULL;
     const int sn = static_cast<int>(std::clamp<int64_t>(send_count - offset, 0, n));
     const int rn = static_cast<int>(std::clamp<int64_t>(recv_count - offset, 0, n));
-    int code = sendrecv(bytes(x) + offset * send_width, sn, send_type, to, sendtag,
-                        bytes(out) + offset * recv_width, rn, recv_type, from, recvtag, comm, &s);
-    if (step == 0) {
-      first = s;
-      // Later pieces come from the sender of the first.
-      if (source != MPI_PROC_NULL) {
-        source = s.MPI_SOURCE;
-        recvtag = s.MPI_TAG;
-      }
-    }
-    if (code == MPI_SUCCESS) piece_error = check_count(s, recv_type, rn, "sendrecv");
-    return piece_error.failure() ? MPI_ERR_OTHER : code;
+    MPI_Status s{};
+    const int code =
+        sendrecv(bytes(x) + offset * send_width, sn, send_type, to, sendtag,
+                 bytes(out) + offset * recv_width, rn, recv_type, from, receiver.tag(), comm, &s);
+    return receiver.arrived(step, code, s, recv_type, rn, "sendrecv");
   });
-  if (piece_error.failure()) return piece_error;
-  JAXCOMM_CHECK_MPI(result, "sendrecv", comm);
-  write_status(status, first);
-  return ffi::Error::Success();
+  return receiver.finish(result, "sendrecv", comm, status);
 }
 
 // `tags` holds (sendtag, recvtag), computed at run time: the AD rules of receives

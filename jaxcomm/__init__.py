@@ -30,8 +30,7 @@ from jaxcomm._kernels import build_flags, register_kernel
 from jaxcomm._native import MPILibraryMismatchError
 from jaxcomm._nonblocking import Request
 from jaxcomm._ops import DTYPES, ReduceOp
-from jaxcomm.comm import JaxComm, Status
-from jaxcomm.topology import CartComm
+from jaxcomm.comm import CartComm, JaxComm, Status
 
 __version__ = "0.1.0"
 

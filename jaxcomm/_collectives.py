@@ -9,19 +9,16 @@ from __future__ import annotations
 
 from jax import core
 
-from jaxcomm._primitive import (
-    CommInfo,
+from jaxcomm._primitive import CommInfo, comm_primitive, in_place, same_shape
+from jaxcomm._replicated import pvary, replicated_cotangent
+from jaxcomm._rules import (
     batch_elementwise,
-    comm_primitive,
     define_rules,
-    in_place,
     instantiate,
     linear_jvp,
     move_batch,
     on_rank,
-    same_shape,
 )
-from jaxcomm._replicated import pvary, replicated_cotangent
 
 
 def _stacked(x, *, comm: CommInfo, **_):

@@ -14,9 +14,9 @@ eager calls through JAX's dispatch instead.
 
 Everything fixed by a call's signature is prepared once, as a C++ EagerCall.
 A pytree's arrays go through a MapCall, which sends small arrays of one dtype as
-one message, like a traced call. JaxComm's methods also keep a shortcut for calls
-that repeat an earlier one (run_again, map_again), which skips their argument
-handling. All of these live in one bounded cache of prepared calls.
+one message, like a traced call. A call that repeats an earlier one takes a
+shortcut (`again`) past the method's argument handling. All of these live in one
+bounded cache of prepared calls.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import numpy as np
 from jax import core
 
 from jaxcomm import _fusion, _settings
+from jaxcomm._fusion import Params
 from jaxcomm._jax_internals import ArrayImpl, at_top_level, host_arrays
 from jaxcomm._native import cpu
 
@@ -182,7 +183,7 @@ _prepared_calls = _Prepared(4096)
 
 
 def _prepared(op: EagerOp, in_types, comm, params, device, wrapped=None) -> cpu.EagerCall:
-    # On the per-call path (CommPrimitive.bind's direct path): no closure to build.
+    # On the per-call path (EagerOp calls, MapCall preparation): no closure to build.
     key = ("call", op, in_types, comm, params, device, wrapped)
     call = _prepared_calls.get(key)
     if call is None:
@@ -196,14 +197,14 @@ class MapCall:
     array and sent through op in one call; their results are pieces of its output,
     each on its array's device."""
 
-    def __init__(self, op: EagerOp, in_types, devices, comm: Any, params, fuse: bool):
+    def __init__(self, op: EagerOp, in_types, devices, comm: Any, params: Params, fuse: bool):
         # (message, call, wraps): wraps, for a fused message, make each member's
         # piece a jax.Array on its device.
         self._steps: list[tuple[_fusion.Message, cpu.EagerCall, list | None]] = []
         for message in _fusion.messages(in_types, fuse):
-            first = message.members[0]
+            first, own = message.members[0], _fusion.message_params(params, message)
             if not message.fused:
-                call = _prepared(op, in_types[first : first + 1], comm, params, devices[first], 1)
+                call = _prepared(op, in_types[first : first + 1], comm, own, devices[first], 1)
                 self._steps.append((message, call, None))
                 continue
             dtype = in_types[first][1]
@@ -212,99 +213,88 @@ class MapCall:
                 for i, shape in zip(message.members, message.shapes, strict=True)
             ]
             # Its one result stays NumPy (wrapped=0), so the device is not used.
-            call = _prepared(op, (((message.size,), dtype),), comm, params, devices[first], 0)
+            call = _prepared(op, (((message.size,), dtype),), comm, own, devices[first], 0)
             self._steps.append((message, call, wraps))
+        # The EagerCall of a map of one array, which always travels alone.
+        self.single = self._steps[0][1] if len(in_types) == 1 else None
 
-    def __call__(self, arrays: Sequence[jax.Array]) -> list[jax.Array]:
+    def __call__(self, arrays: Sequence[jax.Array]) -> tuple[list[Any], Sequence[np.ndarray]]:
+        """Each array's result (None where op has none), and the other results of
+        the last message (a receive's status), as NumPy arrays: wrapping those as
+        jax.Arrays costs as much as the rest of a small call, and most callers
+        discard them."""
         results: list[Any] = [None] * len(arrays)
+        rest: Sequence[np.ndarray] = ()
         for message, call, wraps in self._steps:
             if wraps is None:
-                results[message.members[0]] = call(arrays[message.members[0]])[0]
+                i = message.members[0]
+                outputs = call(arrays[i])
+                if outputs:
+                    results[i], rest = outputs[0], outputs[1:]
                 continue
-            flat = call(message.pack(arrays, np))[0]
-            pieces = message.unpack(flat)
+            pieces = message.unpack(call(message.pack(arrays, np))[0])
             for i, wrap, piece in zip(message.members, wraps, pieces, strict=True):
                 results[i] = wrap(piece)
-        return results
+        return results, rest
 
 
-def map_call(
-    op: EagerOp, arrays: Sequence[jax.Array], comm: Any, params: dict[str, Any], fuse: bool
-) -> MapCall:
+def map_call(op: EagerOp, arrays: Sequence[jax.Array], comm: Any, params: Params, fuse: bool):
     """The prepared MapCall of op on `arrays`, which are concrete and each on one
     CPU device (can_run)."""
     in_types = tuple((a.shape, a.dtype) for a in arrays)
     devices = tuple(_device(a.sharding) for a in arrays)
-    params = tuple(params.items())
     return _prepared_calls.get_or_make(
         ("map", op, in_types, devices, comm, params, fuse),
         lambda: MapCall(op, in_types, devices, comm, params, fuse),
     )
 
 
-# The shortcut for JaxComm's methods: a call on one array, or on a pytree of
-# arrays, that repeats an earlier call in everything its argument checks depend on
-# skips those checks and goes straight to the prepared call (for a pytree, the
-# MapCall of the full path). It saves JaxComm's pytree handling, its checks and
-# Primitive.bind, most of a small call's cost. Its results after the first (a
-# receive's status) stay NumPy arrays: wrapping one as a jax.Array costs as much
-# as the rest of the call, and most calls discard the status.
-def _signature(op: EagerOp, x: jax.Array, comm: Any, params: dict[str, Any]) -> tuple:
-    return ("again", op, x.shape, x.dtype, x.sharding, comm, *params.items())
+# The shortcut for JaxComm's methods: a call on an array or a pytree of arrays
+# that repeats an earlier one in everything its argument checks depend on (op,
+# communicator, params, and the structure and each array's shape, dtype and
+# placement) skips those checks and goes straight to the earlier call's
+# preparation: for one array its EagerCall, for a pytree its MapCall. That saves
+# most of a small call's cost.
+def _array_key(op: EagerOp, x: ArrayImpl, comm: Any, params: Params) -> tuple:
+    return ("again", op, x.shape, x.dtype, x.sharding, comm, params)
 
 
-def _tree_signature(op: EagerOp, tree: Any, leaves: list, comm: Any, params: dict) -> tuple:
-    # A PyTreeDef third, where _signature has a shape: the two never collide.
+def _tree_key(op: EagerOp, tree: Any, leaves: list, comm: Any, params: Params) -> tuple:
+    # A PyTreeDef third, where _array_key has a shape: the two never collide.
     leaf_types = [(a.shape, a.dtype, a.sharding) for a in leaves]
-    return ("again", op, tree, *leaf_types, comm, *params.items())
+    return ("again", op, tree, *leaf_types, comm, params)
 
 
-def run_again(op: EagerOp, x: Any, comm: Any, params: dict[str, Any]) -> list[jax.Array] | None:
-    """op's results on x now (the first a jax.Array, any others NumPy arrays), if
-    `remember` has seen the same call (op, comm and params, x's shape, dtype and
-    placement) and no trace is active; else None."""
-    if type(x) is not ArrayImpl:
-        return None
-    call = _prepared_calls.get(_signature(op, x, comm, params))
-    if call is None or not at_top_level():
-        return None
-    return call(x)
-
-
-def map_again(op: EagerOp, x: Any, comm: Any, params: dict[str, Any]) -> Any:
-    """op's first result on every array of pytree x now, if `remember_map` has seen
-    the same call (op, comm and params, x's structure, and each array's shape,
-    dtype and placement) and no trace is active; else None."""
-    if type(x) is ArrayImpl:
-        results = run_again(op, x, comm, params)
-        return None if results is None else results[0]
+def again(op: EagerOp, x: Any, comm: Any, params: Params) -> tuple[Any, Sequence] | None:
+    """(op's results on x now, in x's structure; the rest, as MapCall gives it) if
+    `remember` has seen the same call and no trace is active; else None."""
+    if type(x) is ArrayImpl:  # the common case, without flattening
+        call = _prepared_calls.get(_array_key(op, x, comm, params))
+        if call is None or not at_top_level():
+            return None
+        outputs = call(x)
+        return (outputs[0], outputs[1:]) if outputs else (None, ())
     leaves, tree = jax.tree.flatten(x)
     if not all(type(a) is ArrayImpl for a in leaves):
         return None
-    call = _prepared_calls.get(_tree_signature(op, tree, leaves, comm, params))
+    call = _prepared_calls.get(_tree_key(op, tree, leaves, comm, params))
     if call is None or not at_top_level():
         return None
-    return tree.unflatten(call(leaves))
+    results, rest = call(leaves)
+    return tree.unflatten(results), rest
 
 
-def remember(op: EagerOp, x: Any, comm: Any, params: dict[str, Any]) -> None:
-    """Let calls like this one on one array, which has just passed its checks and
-    run on the direct path, take `run_again`."""
-    if type(x) is ArrayImpl and can_run((x,)):
-        in_types, device = ((x.shape, x.dtype),), _device(x.sharding)
-        call = _prepared(op, in_types, comm, tuple(params.items()), device, 1)
-        _prepared_calls.put(_signature(op, x, comm, params), call)
-
-
-def remember_map(op: EagerOp, x: Any, comm: Any, params: dict[str, Any], fuse: bool) -> None:
-    """Let calls like this one, on an array or a pytree of arrays which it has just
-    sent through op on the direct path (as map_call), take `map_again`."""
-    if type(x) is ArrayImpl:
-        return remember(op, x, comm, params)
+def remember(op: EagerOp, x: Any, comm: Any, params: Params, fuse: bool) -> None:
+    """Let calls like this one, on arrays which have just passed the method's checks
+    and gone through op's MapCall, take `again`."""
     leaves, tree = jax.tree.flatten(x)
-    if leaves and all(type(a) is ArrayImpl for a in leaves) and can_run(leaves):
-        call = map_call(op, leaves, comm, params, fuse)
-        _prepared_calls.put(_tree_signature(op, tree, leaves, comm, params), call)
+    if not (leaves and all(type(a) is ArrayImpl for a in leaves) and can_run(leaves)):
+        return
+    call = map_call(op, leaves, comm, params, fuse)
+    if type(x) is ArrayImpl:
+        _prepared_calls.put(_array_key(op, x, comm, params), call.single)
+    else:
+        _prepared_calls.put(_tree_key(op, tree, leaves, comm, params), call)
 
 
 def as_array(values: np.ndarray, like: jax.Array) -> jax.Array:

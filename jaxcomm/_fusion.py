@@ -1,7 +1,8 @@
 """Which arrays of a pytree travel together, and how: small leaves of one dtype go
 as one message, packed flat in order. Traced and eager calls take their messages
 from the same plan, so every rank sends the same messages whichever path its call
-takes."""
+takes. A message's call takes the operation's params, with its own value of each
+PerLeaf param."""
 
 from __future__ import annotations
 
@@ -41,6 +42,20 @@ class Message(NamedTuple):
             flat[start:stop].reshape(shape)
             for (start, stop), shape in zip(self.spans, self.shapes, strict=True)
         ]
+
+
+class PerLeaf(tuple):
+    """A param with a value for each leaf (sendrecv's result shapes and dtypes), of
+    an operation whose leaves travel alone."""
+
+
+Params = tuple[tuple[str, Any], ...]  # an operation's params, as items: hashable
+
+
+def message_params(params: Params, message: Message) -> Params:
+    """The params of the call that carries `message`."""
+    first = message.members[0]
+    return tuple((key, value[first] if type(value) is PerLeaf else value) for key, value in params)
 
 
 def messages(types: Sequence[tuple[tuple[int, ...], Any]], fuse: bool) -> list[Message]:

@@ -22,7 +22,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
-from jaxcomm._primitive import CommInfo, define_rules, move_batch
+from jaxcomm._primitive import CommInfo
+from jaxcomm._rules import define_rules, move_batch
 
 VMAP_METHODS = ("sequential", "expand_dims")
 

@@ -45,10 +45,8 @@ from jaxcomm import _collectives, _eager, _p2p, _reductions, _replicated
 from jaxcomm._jax_internals import COMM_EFFECT, at_top_level, lower_with_token
 from jaxcomm._native import PLATFORMS, cpu
 from jaxcomm._ops import ReduceOp
-from jaxcomm._primitive import (
-    CommInfo,
-    CommPrimitive,
-    comm_primitive,
+from jaxcomm._primitive import CommInfo, CommPrimitive, comm_primitive
+from jaxcomm._rules import (
     define_rules,
     differentiable,
     instantiate,
@@ -99,9 +97,6 @@ def _declare(blocking: CommPrimitive, kind: Kind, batch_in=0, batch_out=0) -> No
         aliases=lambda *_, **__: {0: keep_index} if kind.keep else {0: 0},
         before_lowering=partial(_refuse_abandoned, name),
     )
-    # Its direct path returns NumPy buffers that MPI writes until the wait, which
-    # only `start` below may hand out; AD and vmap rules bind it through JAX.
-    start.direct_bind = False
     return Nonblocking(start, kind, batch_in, batch_out)
 
 

@@ -18,16 +18,8 @@ import numpy as np
 from jax import core
 from mpi4py import MPI
 
-from jaxcomm._primitive import (
-    CommInfo,
-    comm_primitive,
-    define_rules,
-    differentiable,
-    in_place,
-    instantiate,
-    move_batch,
-    zero_tangent,
-)
+from jaxcomm._primitive import CommInfo, comm_primitive, in_place
+from jaxcomm._rules import define_rules, differentiable, instantiate, move_batch, zero_tangent
 
 STATUS = core.ShapedArray((2,), np.int32)
 
@@ -93,10 +85,6 @@ def tagged_sendrecv(x, tags, *, comm: CommInfo, shape, dtype, source: int, dest:
         x, tags, comm=comm, shape=tuple(shape), dtype=np.dtype(dtype), source=source, dest=dest
     )
     return out, status
-
-
-def barrier(*, comm: CommInfo) -> None:
-    barrier_p.bind(comm=comm)
 
 
 # -- AD --------------------------------------------------------------------------------

@@ -6,10 +6,7 @@ token threaded through it and the table's attributes, and run eagerly on host
 arrays by jaxcomm._eager (else by compiling the single primitive). The op
 families (_reductions, _collectives, _p2p, _replicated, _nonblocking) declare
 their primitives with `comm_primitive` and attach JVP, transpose and batching
-rules with `define_rules`.
-
-AD rules must make the same MPI calls on every rank: a transpose rule is called
-even when its cotangent is a symbolic zero, and it always communicates.
+rules with jaxcomm._rules.define_rules.
 """
 
 from __future__ import annotations
@@ -18,12 +15,10 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import core, lax
+from jax import core
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import mlir
 
 from jaxcomm import _eager
 from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
@@ -61,8 +56,8 @@ def in_place(x, **_):
 
 
 class CommPrimitive(Primitive):
-    """A jaxcomm operation. Outside any trace, on concrete host arrays, bind runs
-    its host code at once (jaxcomm._eager) rather than through JAX's dispatch."""
+    """A jaxcomm operation. `eager` runs it at once on concrete host arrays, outside
+    JAX's dispatch (jaxcomm._eager); binding it outside a trace compiles it."""
 
     multiple_results = True
 
@@ -74,15 +69,7 @@ class CommPrimitive(Primitive):
         # flag, by name inside jit and in this order eagerly: the C++ table's.
         self.attrs: tuple[str, ...] = _ATTRIBUTES[name]
         self.eager = _eager.EagerOp(name, abstract_eval, self.attrs)
-        # Reached only through Primitive.bind, that is when the direct path cannot run.
         self.def_impl(partial(apply_primitive, self))
-
-    direct_bind = True  # False: bind always goes through JAX (the starts of _nonblocking)
-
-    def bind(self, *args: Any, **params: Any) -> Sequence[Any]:
-        if self.direct_bind and _eager.can_run(args):
-            return self.eager(args, **params)
-        return super().bind(*args, **params)
 
 
 def comm_primitive(
@@ -123,73 +110,3 @@ def comm_primitive(
     for platform in PLATFORMS:  # the same FFI target name on every platform
         mlir.register_lowering(primitive, lowering, platform=platform)
     return primitive
-
-
-def define_rules(
-    primitive: Primitive,
-    *,
-    jvp: Callable[..., tuple[list, list]] | None = None,
-    transpose: Callable[..., list] | None = None,
-    batch: Callable[..., tuple[list, list]] | None = None,
-) -> None:
-    """Attach AD and vmap rules to `primitive` (the names follow jax.interpreters)."""
-    if jvp is not None:
-        ad.primitive_jvps[primitive] = jvp
-    if transpose is not None:
-        ad.primitive_transposes[primitive] = transpose
-    if batch is not None:
-        batching.primitive_batchers[primitive] = batch
-
-
-# -- AD helpers ---------------------------------------------------------------------
-
-
-def differentiable(x: Any) -> bool:
-    return jnp.issubdtype(jax.typeof(x).dtype, jnp.inexact)
-
-
-def zero_tangent(y: Any) -> ad.Zero:
-    return ad.Zero(jax.typeof(y).to_tangent_aval())
-
-
-def instantiate(t: Any) -> jax.Array:
-    """A tangent or cotangent as an array: symbolic zeros become real zeros."""
-    return ad.instantiate_zeros(t)
-
-
-def on_rank(keep: bool, x: jax.Array) -> jax.Array:
-    """x where `keep`, else zeros; x stays an operand either way, so transposing
-    this still sends a cotangent into whatever produced x (keeping ranks in step)."""
-    return lax.select(jnp.full(x.shape, keep), x, jnp.zeros_like(x))
-
-
-def linear_jvp(primitive: Primitive) -> Callable[..., tuple[list, list]]:
-    """JVP of an op that is linear in every operand: the op applied to the tangents."""
-
-    def jvp(primals, tangents, **params):
-        outs = primitive.bind(*primals, **params)
-        if not all(differentiable(x) for x in primals):
-            return outs, [zero_tangent(y) for y in outs]
-        dots = primitive.bind(*map(instantiate, tangents), **params)
-        return outs, [
-            d if differentiable(y) else zero_tangent(y) for y, d in zip(outs, dots, strict=False)
-        ]
-
-    return jvp
-
-
-# -- batching helpers ------------------------------------------------------------------
-
-
-def batch_elementwise(primitive: Primitive) -> Callable[..., tuple[list, list]]:
-    """vmap of an op on one array whose layout across ranks does not matter."""
-
-    def rule(args, dims, **params):
-        outs = primitive.bind(*args, **params)
-        return outs, [dims[0]] * len(outs)
-
-    return rule
-
-
-def move_batch(x: jax.Array, dim: int | None, to: int) -> jax.Array:
-    return x if dim is None else jnp.moveaxis(x, dim, to)

@@ -18,19 +18,16 @@ from jax import core
 
 from jaxcomm._collectives import allgather, bcast
 from jaxcomm._ops import ReduceOp
-from jaxcomm._primitive import (
-    CommInfo,
+from jaxcomm._primitive import CommInfo, comm_primitive, in_place, same_shape
+from jaxcomm._replicated import pvary, pvary_p, replicated_cotangent
+from jaxcomm._rules import (
     batch_elementwise,
-    comm_primitive,
     define_rules,
     differentiable,
-    in_place,
     instantiate,
     move_batch,
-    same_shape,
     zero_tangent,
 )
-from jaxcomm._replicated import pvary, pvary_p, replicated_cotangent
 
 
 def _row(x, **_):

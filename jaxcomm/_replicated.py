@@ -15,15 +15,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_identity
-from jaxcomm._primitive import (
-    CommInfo,
-    batch_elementwise,
-    comm_primitive,
-    define_rules,
-    in_place,
-    linear_jvp,
-    same_shape,
-)
+from jaxcomm._primitive import CommInfo, comm_primitive, in_place, same_shape
+from jaxcomm._rules import batch_elementwise, define_rules, linear_jvp
 
 # Identity on the data; it exists for its transpose. It carries the effect so that
 # it is never dropped: its transpose is a collective every rank must join.

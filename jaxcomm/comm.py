@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from mpi4py import MPI
 
 from jaxcomm import (
     _collectives,
+    _dispatch,
     _eager,
     _kernels,
     _native,
@@ -20,15 +22,13 @@ from jaxcomm import (
     _reductions,
     _replicated,
     _settings,
+    topology,
 )
-from jaxcomm._dispatch import dispatch, map_leaves, recv_leaves, send_leaves, sendrecv_leaves
+from jaxcomm._fusion import PerLeaf
 from jaxcomm._jax_internals import ArrayImpl
 from jaxcomm._nonblocking import Request
 from jaxcomm._ops import ReduceOp, as_reduce_op, check_dtype, check_reduction
 from jaxcomm._primitive import CommInfo
-
-if TYPE_CHECKING:
-    from jaxcomm.topology import CartComm
 
 PyTree = Any
 Self = TypeVar("Self", bound="JaxComm")
@@ -54,12 +54,19 @@ def _static_int(operation: str, name: str, value: Any) -> int:
     return int(value)
 
 
-def _status(status: Any, result: Any) -> Status:
-    """A Status from a receive's (source, tag) array, NumPy on the eager shortcut
-    (made into arrays on `result`'s device)."""
+def _status(status: Any, like: Any) -> Status:
+    """A Status from a receive's (source, tag) array; a NumPy one (from the eager
+    path) is made into arrays on the device of jax.Array `like`."""
     if isinstance(status, np.ndarray):
-        return Status(*_eager.scalars(status, result))
+        return Status(*_eager.scalars(status, like))
     return Status(status[0], status[1])
+
+
+def _received(result: PyTree, rest: Sequence[Any], source: int, tag: int) -> tuple:
+    """(result, Status) of a receive whose last message's other results are `rest`."""
+    if not rest:  # an empty pytree: nothing arrived
+        return result, Status(jnp.int32(source), jnp.int32(tag))
+    return result, _status(rest[0], jax.tree.leaves(result)[-1])
 
 
 def _signed64(handle: int) -> int:
@@ -162,9 +169,11 @@ class JaxComm:
         dimension wraps (default: none). Returns a CartComm that is also of this
         communicator's type, with coords, shift and halo_exchange.
         """
-        from jaxcomm.topology import create_cart
-
-        return create_cart(self, dims, periods, reorder)
+        cart = topology.cartesian_mpi_comm(self._mpi, dims, periods, reorder)
+        try:
+            return _cartesian(type(self))(cart, check=self.check)
+        finally:
+            cart.Free()
 
     def free(self) -> None:
         """Free the MPI communicator (collective). The JaxComm is unusable after."""
@@ -241,39 +250,41 @@ class JaxComm:
         leading_axis: str | None = None,
         elementwise: bool = False,
         **params,
-    ) -> PyTree:
+    ) -> tuple[PyTree, Sequence[Any]]:
         """Check x's leaves and apply `primitive`, an op on one array, to each of
         them (small leaves together, when the op is element-wise). `leading_axis`
-        names the leaves that must have a leading axis of length size."""
-        comm = self._comm
-        again = _eager.map_again(primitive.eager, x, comm, params)
-        if again is not None:
+        names the leaves that must have a leading axis of length size. Returns the
+        results in x's structure, and the other results of the last message (a
+        receive's status)."""
+        comm, items = self._comm, tuple(params.items())
+        again = _eager.again(primitive.eager, x, comm, items)
+        if again is not None:  # an earlier call like this one passed the checks below
             return again
         leaves, tree = self._leaves(operation, x, params.get("op"))
         if leading_axis is not None:
             for leaf in leaves:
                 self._leading_axis(operation, leaf, leading_axis)
-        results = dispatch(
-            map_leaves, leaves, primitive=primitive, fuse=elementwise, comm=comm, **params
-        )
-        _eager.remember_map(primitive.eager, x, comm, params, elementwise)
-        return jax.tree.unflatten(tree, results)
+        if len(leaves) > 1 and params.get("source") == MPI.ANY_SOURCE:
+            raise ValueError(f"{operation}: a pytree with several arrays needs an explicit source")
+        results, rest = _dispatch.apply(primitive, leaves, comm, items, elementwise)
+        _eager.remember(primitive.eager, x, comm, items, elementwise)
+        return tree.unflatten(results), rest
 
     # -- reductions ---------------------------------------------------------------
     def allreduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Element-wise reduction over all ranks, on every rank. Same shapes as x."""
         op = as_reduce_op(op)
-        return self._apply("allreduce", _reductions.allreduce_p, x, elementwise=True, op=op)
+        return self._apply("allreduce", _reductions.allreduce_p, x, elementwise=True, op=op)[0]
 
     def reduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM, root: int = 0) -> PyTree:
         """The reduction on root; other ranks get x back unchanged. Same shapes as x."""
         root = self._rank("reduce", "root", root)
         op = as_reduce_op(op)
-        return self._apply("reduce", _reductions.reduce_p, x, elementwise=True, op=op, root=root)
+        return self._apply("reduce", _reductions.reduce_p, x, elementwise=True, op=op, root=root)[0]
 
     def scan(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Inclusive prefix reduction: rank r gets op(x_0, ..., x_r). Same shapes as x."""
-        return self._apply("scan", _reductions.scan_p, x, elementwise=True, op=as_reduce_op(op))
+        return self._apply("scan", _reductions.scan_p, x, elementwise=True, op=as_reduce_op(op))[0]
 
     def exscan(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Exclusive prefix reduction: rank r gets op(x_0, ..., x_{r-1}).
@@ -282,29 +293,29 @@ class JaxComm:
         value for MAX, ...) where MPI would leave it undefined. Same shapes as x.
         """
         op = as_reduce_op(op)
-        return self._apply("exscan", _reductions.exscan_p, x, elementwise=True, op=op)
+        return self._apply("exscan", _reductions.exscan_p, x, elementwise=True, op=op)[0]
 
     def reduce_scatter(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """x: ``(size, *s)`` on every rank; rank r gets row r of the reduction, shape s."""
         op = as_reduce_op(op)
         return self._apply(
             "reduce_scatter", _reductions.reduce_scatter_p, x, leading_axis="x", op=op
-        )
+        )[0]
 
     # -- data movement --------------------------------------------------------------
     def bcast(self, x: PyTree, root: int = 0) -> PyTree:
         """Root's x on every rank. Non-root ranks pass an array of the same shape."""
         root = self._rank("bcast", "root", root)
-        return self._apply("bcast", _collectives.bcast_p, x, elementwise=True, root=root)
+        return self._apply("bcast", _collectives.bcast_p, x, elementwise=True, root=root)[0]
 
     def gather(self, x: PyTree, root: int = 0) -> PyTree:
         """On root, ``(size, *x.shape)`` with rank i's x in row i; other ranks get x back."""
         root = self._rank("gather", "root", root)
-        return self._apply("gather", _collectives.gather_p, x, root=root)
+        return self._apply("gather", _collectives.gather_p, x, root=root)[0]
 
     def allgather(self, x: PyTree) -> PyTree:
         """``(size, *x.shape)`` on every rank, with rank i's x in row i."""
-        return self._apply("allgather", _collectives.allgather_p, x)
+        return self._apply("allgather", _collectives.allgather_p, x)[0]
 
     def scatter(self, x: PyTree, root: int = 0) -> PyTree:
         """Root passes ``(size, *s)``; every rank gets its row, shape s.
@@ -315,22 +326,17 @@ class JaxComm:
         leading_axis = "x on the root rank" if self.rank == root else None
         return self._apply(
             "scatter", _collectives.scatter_p, x, leading_axis=leading_axis, root=root
-        )
+        )[0]
 
     def alltoall(self, x: PyTree) -> PyTree:
         """x: ``(size, *s)``. Row i of the result is rank i's row `rank`."""
-        return self._apply("alltoall", _collectives.alltoall_p, x, leading_axis="x")
+        return self._apply("alltoall", _collectives.alltoall_p, x, leading_axis="x")[0]
 
     # -- point to point -----------------------------------------------------------------
     def send(self: Self, x: PyTree, dest: int, tag: int = 0) -> Self:
         """Send x to rank dest (blocking until MPI may reuse the buffer). Returns self."""
         dest = self._rank("send", "dest", dest, MPI.PROC_NULL)
-        tag = self._tag("send", "tag", tag)
-        comm, params = self._comm, {"dest": dest, "tag": tag}
-        if _eager.run_again(_p2p.send_p.eager, x, comm, params) is None:
-            leaves, _ = self._leaves("send", x)
-            dispatch(send_leaves, leaves, comm=comm, **params)
-            _eager.remember(_p2p.send_p.eager, x, comm, params)
+        self._apply("send", _p2p.send_p, x, dest=dest, tag=self._tag("send", "tag", tag))
         return self
 
     def recv(
@@ -348,18 +354,8 @@ class JaxComm:
         """
         source = self._rank("recv", "source", source, MPI.ANY_SOURCE, MPI.PROC_NULL)
         tag = self._tag("recv", "tag", tag, MPI.ANY_TAG)
-        comm, params = self._comm, {"source": source, "tag": tag}
-        again = _eager.run_again(_p2p.recv_p.eager, x, comm, params)
-        if again is not None:
-            result, status = again
-        else:
-            leaves, tree = self._leaves("recv", x)
-            if len(leaves) > 1 and source == MPI.ANY_SOURCE:
-                raise ValueError("recv: a pytree with several arrays needs an explicit source")
-            results, status = dispatch(recv_leaves, leaves, comm=comm, **params)
-            _eager.remember(_p2p.recv_p.eager, x, comm, params)
-            result = jax.tree.unflatten(tree, results)
-        return (result, _status(status, result)) if return_status else result
+        result, rest = self._apply("recv", _p2p.recv_p, x, source=source, tag=tag)
+        return _received(result, rest, source, tag) if return_status else result
 
     def sendrecv(
         self,
@@ -381,39 +377,34 @@ class JaxComm:
         dest = self._rank("sendrecv", "dest", dest, MPI.PROC_NULL)
         sendtag = self._tag("sendrecv", "sendtag", sendtag)
         recvtag = self._tag("sendrecv", "recvtag", recvtag, MPI.ANY_TAG)
-        comm = self._comm
-        params = {"source": source, "dest": dest, "sendtag": sendtag, "recvtag": recvtag}
+        shape, dtype = self._templates(sendbuf, recvbuf)
+        result, rest = self._apply(
+            "sendrecv",
+            _p2p.sendrecv_p,
+            sendbuf,
+            shape=shape,
+            dtype=dtype,
+            source=source,
+            dest=dest,
+            sendtag=sendtag,
+            recvtag=recvtag,
+        )
+        return _received(result, rest, source, recvtag) if return_status else result
+
+    def _templates(self, sendbuf: PyTree, recvbuf: PyTree | None) -> tuple[Any, Any]:
+        """The shape and dtype that sendrecv receives for each leaf of sendbuf (as
+        PerLeaf params, or plain for one array): those of recvbuf's leaves, default
+        sendbuf's own."""
         like = sendbuf if recvbuf is None else recvbuf
-        # One array: the eager shortcut may apply, with the template in its signature.
-        repeatable = (
-            {"shape": like.shape, "dtype": like.dtype, **params}
-            if type(like) is ArrayImpl
-            else None
-        )
-        if repeatable is not None:
-            again = _eager.run_again(_p2p.sendrecv_p.eager, sendbuf, comm, repeatable)
-            if again is not None:
-                result, status = again
-                return (result, _status(status, result)) if return_status else result
-        send_leaves, tree = self._leaves("sendrecv", sendbuf)
-        if recvbuf is None:
-            recv_leaves = send_leaves
-        else:
-            recv_leaves, recv_tree = self._leaves("sendrecv", recvbuf)
-            if recv_tree != tree:
-                raise ValueError(
-                    f"sendrecv: recvbuf's structure {recv_tree} differs from sendbuf's {tree}"
-                )
-        if len(send_leaves) > 1 and source == MPI.ANY_SOURCE:
-            raise ValueError("sendrecv: a pytree with several arrays needs an explicit source")
-        templates = tuple((r.shape, r.dtype) for r in recv_leaves)
-        results, status = dispatch(
-            sendrecv_leaves, send_leaves, comm=comm, templates=templates, **params
-        )
-        if repeatable is not None:
-            _eager.remember(_p2p.sendrecv_p.eager, sendbuf, comm, repeatable)
-        result = jax.tree.unflatten(tree, results)
-        return (result, _status(status, result)) if return_status else result
+        if type(like) is ArrayImpl and type(sendbuf) is ArrayImpl:  # without flattening
+            return like.shape, like.dtype
+        leaves, tree = self._leaves("sendrecv", like)
+        if recvbuf is not None and tree != jax.tree.structure(sendbuf):
+            raise ValueError(
+                f"sendrecv: recvbuf's structure {tree} differs from sendbuf's "
+                f"{jax.tree.structure(sendbuf)}"
+            )
+        return PerLeaf(a.shape for a in leaves), PerLeaf(a.dtype for a in leaves)
 
     # -- non-blocking -----------------------------------------------------------------
     def _post(
@@ -550,5 +541,19 @@ class JaxComm:
 
     def barrier(self: Self) -> Self:
         """Block until every rank has reached the barrier. Returns self."""
-        _p2p.barrier(comm=self._comm)
+        _dispatch.run_alone(_p2p.barrier_p, self._comm)
         return self
+
+
+class CartComm(topology.Cartesian, JaxComm):
+    """A JaxComm over an MPI Cartesian topology (made by JaxComm.create_cart)."""
+
+
+@functools.cache
+def _cartesian(cls: type[JaxComm]) -> type[CartComm]:
+    """`cls` with the Cartesian methods: a subclass keeps its own methods on grids."""
+    if issubclass(cls, CartComm):
+        return cls
+    if cls is JaxComm:
+        return CartComm
+    return type(f"Cart{cls.__name__}", (CartComm, cls), {"__module__": cls.__module__})

@@ -1,10 +1,12 @@
-"""Cartesian process grids: coordinates, neighbours and halo exchange."""
+"""Cartesian process grids: coordinates, neighbours and halo exchange.
+
+`Cartesian` holds the grid's methods; jaxcomm.comm combines it with JaxComm into
+CartComm (and into a Cartesian form of each JaxComm subclass)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from functools import cache
 from typing import Any
 
 import jax
@@ -12,16 +14,19 @@ import jax.numpy as jnp
 from jax import lax
 from mpi4py import MPI
 
-from jaxcomm.comm import JaxComm
-
 PyTree = Any
 
 
-class CartComm(JaxComm):
-    """A JaxComm over an MPI Cartesian topology (made by JaxComm.create_cart)."""
+class Cartesian:
+    """The methods of a communicator over an MPI Cartesian topology, for a class
+    that also derives from JaxComm (whose mpi, rank and sendrecv they use)."""
 
-    def __init__(self, comm: MPI.Cartcomm | JaxComm | None = None, *, check: bool | None = None):
-        super().__init__(comm, check=check)
+    mpi: MPI.Cartcomm
+    rank: int
+    sendrecv: Any
+
+    def __init__(self, comm: Any = None, *, check: bool | None = None):
+        super().__init__(comm, check=check)  # JaxComm's
         if self.mpi.Get_topology() != MPI.CART:
             raise TypeError(f"{type(self).__name__}: comm must have a Cartesian topology")
         self._dims = tuple(self.mpi.dims)
@@ -85,32 +90,23 @@ class CartComm(JaxComm):
         return jax.tree.map(lambda leaf: exchange(jnp.asarray(leaf)), x)
 
 
-@cache
-def cartesian_type(cls: type[JaxComm]) -> type[CartComm]:
-    """`cls` with the Cartesian methods: a subclass keeps its own methods on grids."""
-    if issubclass(cls, CartComm):
-        return cls
-    if cls is JaxComm:
-        return CartComm
-    return type(f"Cart{cls.__name__}", (CartComm, cls), {"__module__": cls.__module__})
-
-
-def create_cart(
-    comm: JaxComm, dims: Sequence[int], periods: Sequence[bool] | None = None, reorder: bool = False
-) -> CartComm:
+def cartesian_mpi_comm(
+    comm: MPI.Intracomm,
+    dims: Sequence[int],
+    periods: Sequence[bool] | None = None,
+    reorder: bool = False,
+) -> MPI.Cartcomm:
+    """A new MPI Cartesian communicator over comm's ranks (see JaxComm.create_cart)."""
+    size = comm.Get_size()
     dims = [int(d) for d in dims]
     periods = [False] * len(dims) if periods is None else [bool(p) for p in periods]
     if len(periods) != len(dims):
         raise ValueError(f"create_cart: periods {periods} and dims {dims} differ in length")
     fixed = math.prod(d for d in dims if d > 0)
-    if any(d < 0 for d in dims) or comm.size % fixed:
-        raise ValueError(f"create_cart: dims {dims} do not fit size={comm.size}")
-    dims = MPI.Compute_dims(comm.size, dims)  # fills zeros, like MPI_Dims_create
-    if math.prod(dims) != comm.size:
-        raise ValueError(f"create_cart: dims {dims} do not multiply to size={comm.size}")
+    if any(d < 0 for d in dims) or size % fixed:
+        raise ValueError(f"create_cart: dims {dims} do not fit size={size}")
+    dims = MPI.Compute_dims(size, dims)  # fills zeros, like MPI_Dims_create
+    if math.prod(dims) != size:
+        raise ValueError(f"create_cart: dims {dims} do not multiply to size={size}")
     jax.effects_barrier()  # no jaxcomm call may be running on XLA's threads meanwhile
-    cart = comm.mpi.Create_cart(dims, periods=periods, reorder=reorder)
-    try:
-        return cartesian_type(type(comm))(cart, check=comm.check)
-    finally:
-        cart.Free()
+    return comm.Create_cart(dims, periods=periods, reorder=reorder)

@@ -13,6 +13,7 @@
 #include <complex>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -91,16 +92,21 @@ enum class ReduceOp : int32_t {
 
 namespace half {
 
+// The bits of `from` as a `To`: std::bit_cast, which needs C++20.
+template <typename To, typename From>
+inline To bits_as(From from) {
+  static_assert(sizeof(To) == sizeof(From));
+  To to;
+  std::memcpy(&to, &from, sizeof to);
+  return to;
+}
+
 inline float bf16_to_float(uint16_t bits) {
-  uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &word, sizeof value);
-  return value;
+  return bits_as<float>(static_cast<uint32_t>(bits) << 16);
 }
 
 inline uint16_t float_to_bf16(float value) {
-  uint32_t word;
-  std::memcpy(&word, &value, sizeof word);
+  uint32_t word = bits_as<uint32_t>(value);
   if ((word & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((word >> 16) | 0x40);
   word += 0x7fffu + ((word >> 16) & 1u);  // round to nearest even
   return static_cast<uint16_t>(word >> 16);
@@ -125,14 +131,11 @@ inline float f16_to_float(uint16_t bits) {
     }
     word = sign | (static_cast<uint32_t>(113 - shift) << 23) | ((mantissa & 0x3ffu) << 13);
   }
-  float value;
-  std::memcpy(&value, &word, sizeof value);
-  return value;
+  return bits_as<float>(word);
 }
 
 inline uint16_t float_to_f16(float value) {
-  uint32_t word;
-  std::memcpy(&word, &value, sizeof word);
+  uint32_t word = bits_as<uint32_t>(value);
   uint16_t sign = static_cast<uint16_t>((word >> 16) & 0x8000u);
   uint32_t magnitude = word & 0x7fffffffu;
   if (magnitude > 0x7f800000u) return sign | 0x7e00u;   // NaN
@@ -230,18 +233,27 @@ struct Bfloat16Bits {
   X(C64, std::complex<float>, "complex64", MPI_C_FLOAT_COMPLEX) \
   X(C128, std::complex<double>, "complex128", MPI_C_DOUBLE_COMPLEX)
 
-// The MPI datatype that carries elements of an XLA dtype, or MPI_DATATYPE_NULL.
-inline MPI_Datatype mpi_datatype(ffi::DataType dtype) {
-  switch (dtype) {
-#define JAXCOMM_MPI_DATATYPE(name, storage, text, mpi) \
-  case ffi::DataType::name:                            \
-    return mpi;
-    JAXCOMM_DTYPES(JAXCOMM_MPI_DATATYPE)
-#undef JAXCOMM_MPI_DATATYPE
-    default:
-      return MPI_DATATYPE_NULL;
-  }
+// What jaxcomm knows of an XLA dtype: NumPy's name for it and the MPI datatype
+// that carries its elements.
+struct DtypeInfo {
+  ffi::DataType dtype;
+  const char* name;
+  MPI_Datatype mpi;
+};
+
+// The DtypeInfo of `dtype`; {dtype, "unsupported", MPI_DATATYPE_NULL} if jaxcomm
+// does not carry it.
+inline DtypeInfo dtype_info(ffi::DataType dtype) {
+#define JAXCOMM_DTYPE_INFO(name, storage, text, mpi) DtypeInfo{ffi::DataType::name, text, mpi},
+  static const DtypeInfo known[] = {JAXCOMM_DTYPES(JAXCOMM_DTYPE_INFO)};
+#undef JAXCOMM_DTYPE_INFO
+  for (const DtypeInfo& info : known)
+    if (info.dtype == dtype) return info;
+  return {dtype, "unsupported", MPI_DATATYPE_NULL};
 }
+
+// The MPI datatype that carries elements of an XLA dtype, or MPI_DATATYPE_NULL.
+inline MPI_Datatype mpi_datatype(ffi::DataType dtype) { return dtype_info(dtype).mpi; }
 
 template <typename T>
 struct TypeTag {
@@ -269,46 +281,16 @@ inline MPI_Op mpi_op(ReduceOp op, ffi::DataType dtype) {
   if (dtype == ffi::DataType::F16 || dtype == ffi::DataType::BF16) {
     return half::op(dtype == ffi::DataType::BF16, op);
   }
-  if (dtype == ffi::DataType::PRED) {  // bool reduces with the logical operators
-    switch (op) {
-      case ReduceOp::kLand:
-      case ReduceOp::kBand:
-      case ReduceOp::kMin:
-        return MPI_LAND;
-      case ReduceOp::kLor:
-      case ReduceOp::kBor:
-      case ReduceOp::kMax:
-        return MPI_LOR;
-      case ReduceOp::kLxor:
-      case ReduceOp::kBxor:
-        return MPI_LXOR;
-      default:
-        return MPI_OP_NULL;
-    }
-  }
-  switch (op) {
-    case ReduceOp::kSum:
-      return MPI_SUM;
-    case ReduceOp::kProd:
-      return MPI_PROD;
-    case ReduceOp::kMax:
-      return MPI_MAX;
-    case ReduceOp::kMin:
-      return MPI_MIN;
-    case ReduceOp::kLand:
-      return MPI_LAND;
-    case ReduceOp::kLor:
-      return MPI_LOR;
-    case ReduceOp::kLxor:
-      return MPI_LXOR;
-    case ReduceOp::kBand:
-      return MPI_BAND;
-    case ReduceOp::kBor:
-      return MPI_BOR;
-    case ReduceOp::kBxor:
-      return MPI_BXOR;
-  }
-  return MPI_OP_NULL;
+  // By ReduceOp. bool reduces with the logical operators (MAX is OR, MIN is AND).
+  static const MPI_Op ops[] = {MPI_SUM, MPI_PROD, MPI_MAX,  MPI_MIN, MPI_LAND,
+                               MPI_LOR, MPI_LXOR, MPI_BAND, MPI_BOR, MPI_BXOR};
+  static const MPI_Op logical[] = {MPI_OP_NULL, MPI_OP_NULL, MPI_LOR,  MPI_LAND, MPI_LAND,
+                                   MPI_LOR,     MPI_LXOR,    MPI_LAND, MPI_LOR,  MPI_LXOR};
+  static_assert(std::size(ops) == static_cast<size_t>(ReduceOp::kBxor) + 1);
+  static_assert(std::size(logical) == std::size(ops));
+  const auto index = static_cast<size_t>(op);
+  if (index >= std::size(ops)) return MPI_OP_NULL;
+  return dtype == ffi::DataType::PRED ? logical[index] : ops[index];
 }
 
 // ---------------------------------------------------------------------------
