@@ -328,6 +328,8 @@ def _start_jvp(operation):
 
     def jvp(primals, tangents, **params):
         (x,), (t,) = primals, tangents
+        if differentiable(x):
+            _p2p.refuse_derivative_of_reply(operation, params, "differentiating")
         outs = op.start.bind(x, **params)
         zeros = [zero_tangent(v) for v in outs]
         if not differentiable(x):
@@ -446,6 +448,8 @@ def _wait_transpose(cts, *operands, operation, comm, params):
         if source is None:  # isend: the cotangent comes back into a buffer like x
             source = jnp.zeros(operands[1].aval.shape, operands[1].aval.dtype)
         a_params = {**adjoint.params(**params), "posted": 0}
+        if operation == "irecv":  # see _p2p.refuse_derivative_of_reply
+            a_params["cotangent"] = True
         outs = list(target.start.bind(source, comm=comm, **a_params))
         a_pending = outs.pop(0) if target.kind.pending else None
         request_ct = outs.pop(0)
@@ -496,6 +500,7 @@ def _start_batch(operation):
     op = OPERATIONS[operation]
 
     def rule(args, dims, *, comm, **params):
+        _p2p.refuse_derivative_of_reply(operation, params, "batching")
         (x,), (dim,) = args, dims
         outs = op.start.bind(move_batch(x, dim, op.batch_in), comm=comm, **params)
         out_dims = [op.batch_out] if op.kind.pending else []

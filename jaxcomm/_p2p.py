@@ -52,8 +52,11 @@ def _tagged_shape(x, tags, *, shape, dtype, **_):
 tagged_sendrecv_p = comm_primitive("tagged_sendrecv", _tagged_shape)
 
 
-def send(x, *, comm: CommInfo, dest: int, tag: int) -> None:
-    send_p.bind(x, comm=comm, dest=dest, tag=tag)
+def send(x, *, comm: CommInfo, dest: int, tag: int, cotangent: bool = False) -> None:
+    """`cotangent`: x is a receive's cotangent, going back to the rank that sent
+    the data (see refuse_derivative_of_reply)."""
+    params = {"cotangent": True} if cotangent else {}
+    send_p.bind(x, comm=comm, dest=dest, tag=tag, **params)
 
 
 def recv(like, *, comm: CommInfo, source: int, tag: int):
@@ -117,6 +120,20 @@ def tag_unknown(source: int, tag: int) -> bool:
     return tag == MPI.ANY_TAG and source != MPI.PROC_NULL
 
 
+def refuse_derivative_of_reply(operation: str, params: dict, how: str) -> None:
+    """Refuse to differentiate or batch (`how`) a send that carries a receive's
+    cotangent back: its partner, the transpose of the original send, receives
+    into a constant, so JAX gives that receive no tangent and no batch, and the
+    messages would not match (a hang, or a later receive taking the extra one)."""
+    if params.get("cotangent"):
+        raise NotImplementedError(
+            f"{operation}: {how} the gradient of a standalone send/recv pair (jacrev, "
+            "or a second derivative taken through the gradient) is not supported: the "
+            "sending rank could not take part; use sendrecv, whose two directions "
+            "are one operation"
+        )
+
+
 def any_tag_tangent(t, status, *, comm, shape, source, dest, sendtag):
     """The tangent of a receive from ANY_TAG (and of a send to dest, if any): received
     with the tag the primal message came with, which the transpose sends it back with."""
@@ -128,13 +145,15 @@ def any_tag_tangent(t, status, *, comm, shape, source, dest, sendtag):
 
 
 def _send_jvp(primals, tangents, **params):
+    if differentiable(primals[0]):
+        refuse_derivative_of_reply("send", params, "differentiating")
     send_p.bind(*primals, **params)
     if differentiable(primals[0]):
         send_p.bind(instantiate(tangents[0]), **params)
     return [], []
 
 
-def _send_transpose(cts, x, *, comm, dest, tag):
+def _send_transpose(cts, x, *, comm, dest, tag, **_):
     like = np.zeros(x.aval.shape, x.aval.dtype)
     ct, _ = recv(like, comm=comm, source=dest, tag=tag)
     return [ct]
@@ -157,7 +176,8 @@ def _recv_jvp(primals, tangents, *, comm, source, tag):
 
 def _recv_transpose(cts, like, *, comm, source, tag):
     known_source("recv", source)
-    send(instantiate(cts[0]), comm=comm, dest=source, tag=known_tag("recv", source, tag))
+    tag = known_tag("recv", source, tag)
+    send(instantiate(cts[0]), comm=comm, dest=source, tag=tag, cotangent=True)
     return [None]
 
 
@@ -221,6 +241,7 @@ def _tagged_transpose(cts, x, tags, *, comm, shape, dtype, source, dest):
 
 
 def _send_batch(args, dims, **params):
+    refuse_derivative_of_reply("send", params, "batching")
     send_p.bind(move_batch(args[0], dims[0], 0), **params)
     return [], []
 

@@ -169,7 +169,7 @@ def test_jacrev_matches_finite_differences(comm, name):
     if name == "gather" and comm.size > 1:
         pytest.skip("jacrev batches over outputs: gather's output size differs by rank")
     if (name == "send_recv" and comm.size > 1) or name == "isend_irecv_ring":
-        pytest.skip("a send's transpose cannot know the batch size of jacrev (documented)")
+        pytest.skip("jacrev through send and recv is refused (test_derivatives_of_a_...)")
     fn, replicated = CASES[name]
     x = data(comm.rank, comm.size)
     expected = finite_difference_jacobian(comm, lambda x: fn(comm, x), replicated, x)
@@ -202,14 +202,45 @@ def test_second_order(comm, name):
     x = data(comm.rank, comm.size)
     check_grads(fn, (x,), order=2, modes=["fwd"], eps=1e-4)
     if (name == "send_recv" and comm.size > 1) or name == "isend_irecv_ring":
-        return  # reverse over reverse needs sendrecv (documented): a send's transpose
-        # receives into a constant, so the outer derivative never reaches it.
+        return  # refused (test_derivatives_of_a_send_recv_gradient_are_refused)
     # Reverse over reverse: the Hessian-vector product against differences of grads.
     grad = jax.jit(jax.grad(local_loss(comm, name)))
     v = data(comm.rank, comm.size, phase=2.0) - 0.5
     hvp = jax.grad(lambda x: jnp.vdot(grad(x), v))(x)
     numeric = (grad(x + EPS * v) - grad(x - EPS * v)) / (2 * EPS)
     np.testing.assert_allclose(hvp, numeric, rtol=1e-5, atol=1e-6)
+
+
+def send_recv_ring(comm, x):
+    """A ring of blocking send and recv (even ranks send first): 3x to the right,
+    multiplied into x**2 on arrival."""
+    left, right = shift_peers(comm, True)
+    if comm.rank % 2 == 0:
+        comm.send(3 * x, dest=right, tag=5)
+    received = comm.recv(x, source=left, tag=5)
+    if comm.rank % 2 == 1:
+        comm.send(3 * x, dest=right, tag=5)
+    return received * x * x
+
+
+@pytest.mark.parametrize("ring", [send_recv_ring, isend_irecv_ring])
+def test_derivatives_of_a_send_recv_gradient_are_refused(comm, ring):
+    """Every rank of a ring sends a cotangent back, and refuses, before anything
+    runs, what would leave that message without a matching receive (a hang, or a
+    later receive taking it); messages afterwards are untouched."""
+    loss = lambda x: jnp.sum(jnp.sin(ring(comm, x)))  # noqa: E731
+    grad = jax.jit(jax.grad(loss))
+    x, v = data(comm.rank, comm.size), jnp.ones((comm.size, 2))
+    match = "gradient of a standalone send/recv pair"
+    with pytest.raises(NotImplementedError, match=match):
+        jax.grad(lambda x: jnp.vdot(grad(x), v))(x)  # reverse over reverse
+    with pytest.raises(NotImplementedError, match=match):
+        jax.jvp(grad, (x,), (v,))  # forward over reverse
+    with pytest.raises(NotImplementedError, match=match):
+        jax.jit(jax.jacrev(lambda x: ring(comm, x)))(x)
+    left, right = shift_peers(comm, True)
+    got = comm.sendrecv(jnp.full(3, comm.rank), source=left, dest=right)
+    assert_values(got, np.full(3, left, got.dtype))
 
 
 def test_max_ties_split_evenly(comm):

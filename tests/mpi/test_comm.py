@@ -141,3 +141,10 @@ def test_the_cpp_and_python_declarations_agree():
     if _native.cuda is not None:
         blocking = declared - set(_nonblocking.OPERATIONS)
         assert set(_native.cuda.registrations()) == {f"jaxcomm_{n}" for n in blocking}
+    # Every operation but those the AD rules use is a method and a module function.
+    public = declared - {"tagged_sendrecv", "check_replicated"}
+    for name in public:
+        assert callable(getattr(JaxComm, name)), name
+        assert name in jaxcomm.__all__ and getattr(jaxcomm, name).__wrapped__ is getattr(
+            JaxComm, name
+        ), name
