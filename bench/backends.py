@@ -13,7 +13,12 @@ alltoall         (p, count)       (p, count)       output
 allgather        (count,)         (p, count)       the input, element 0 replaced by the output's
 reduce_scatter   (p, count)       (count,)         the input, element 0 replaced by the output's
 scan             (count,)         (count,)         output
+i<op>            as <op>          as <op>          as <op>
 ===============  ===============  ===============  ====================================
+
+The non-blocking ops (iallreduce, ibcast, ialltoall, iallgather, ireduce_scatter,
+and isendrecv: an irecv and an isend) post and then wait at once: what a
+start-and-wait pair costs against the blocking call, with nothing to overlap.
 
 Where the output's shape differs from the input's, the next call depends on the
 previous one through a single element, so that the loop measures the op and not
@@ -42,7 +47,14 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-OPS = ("allreduce", "bcast", "sendrecv", "alltoall", "allgather", "reduce_scatter", "scan")
+BLOCKING = ("allreduce", "bcast", "sendrecv", "alltoall", "allgather", "reduce_scatter", "scan")
+NONBLOCKING = ("iallreduce", "ibcast", "isendrecv", "ialltoall", "iallgather", "ireduce_scatter")
+OPS = BLOCKING + NONBLOCKING
+
+
+def blocking_form(op: str) -> str:
+    """The blocking op whose shapes and result a non-blocking one shares."""
+    return op[1:] if op in NONBLOCKING else op
 
 
 def peer_of(rank: int, size: int) -> int:
@@ -50,7 +62,7 @@ def peer_of(rank: int, size: int) -> int:
 
 
 def input_shape(op: str, count: int, size: int) -> tuple[int, ...]:
-    return (size, count) if op in ("alltoall", "reduce_scatter") else (count,)
+    return (size, count) if blocking_form(op) in ("alltoall", "reduce_scatter") else (count,)
 
 
 def reference_input(op: str, count: int, rank: int, size: int) -> np.ndarray:
@@ -61,6 +73,7 @@ def reference_input(op: str, count: int, rank: int, size: int) -> np.ndarray:
 
 def expected(op: str, count: int, rank: int, size: int) -> np.ndarray:
     inputs = [reference_input(op, count, r, size) for r in range(size)]
+    op = blocking_form(op)
     if op == "allreduce":
         return np.sum(inputs, axis=0)
     if op == "bcast":
@@ -146,7 +159,7 @@ class RawMPI(Backend):
             buffers[0][...] = x
             a, b = (buf.ctypes.data for buf in buffers)
             self.lib.raw_mpi_time(op.encode(), comm.py2f(), a, b, count, 1)
-            out = buffers[0] if op == "bcast" else buffers[1]
+            out = buffers[0] if blocking_form(op) == "bcast" else buffers[1]
             return out.reshape(-1)[: int(np.prod(out_shape))].reshape(out_shape)
 
         return Case(result, run)
@@ -173,9 +186,17 @@ class Mpi4py(Backend):
             "allgather": lambda a, b: comm.Allgather(a, b),
             "reduce_scatter": lambda a, b: comm.Reduce_scatter_block(a, b, op=MPI.SUM),
             "scan": lambda a, b: comm.Scan(a, b, op=MPI.SUM),
+            "iallreduce": lambda a, b: comm.Iallreduce(a, b, op=MPI.SUM).Wait(),
+            "ibcast": lambda a, b: comm.Ibcast(a, root=0).Wait(),
+            "isendrecv": lambda a, b: MPI.Request.Waitall(
+                [comm.Irecv(b, peer, 0), comm.Isend(a, peer, 0)]
+            ),
+            "ialltoall": lambda a, b: comm.Ialltoall(a, b).Wait(),
+            "iallgather": lambda a, b: comm.Iallgather(a, b).Wait(),
+            "ireduce_scatter": lambda a, b: comm.Ireduce_scatter_block(a, b, op=MPI.SUM).Wait(),
         }
         call = calls[op]
-        swaps = op in ("allreduce", "sendrecv", "alltoall", "scan")
+        swaps = blocking_form(op) in ("allreduce", "sendrecv", "alltoall", "scan")
         x = reference_input(op, count, comm.rank, size)
         out = np.zeros(expected(op, count, 0, size).shape, np.float32)
         buffers = [np.zeros_like(x), np.zeros_like(out)]  # reused, as C's are
@@ -183,7 +204,7 @@ class Mpi4py(Backend):
         def result():
             a = x.copy()
             call(a, out)
-            return a if op == "bcast" else out
+            return a if blocking_form(op) == "bcast" else out
 
         def run(iters):
             a, b = buffers
@@ -233,7 +254,7 @@ def jax_case(op: str, count: int, call: Callable, *, jit: bool, comm: MPI.Intrac
     fn = call(op)
     x = reference_input(op, count, comm.rank, comm.size)
 
-    if op in ("allgather", "reduce_scatter"):
+    if blocking_form(op) in ("allgather", "reduce_scatter"):
         step = lambda c: c.at[(0,) * c.ndim].set(fn(c).reshape(-1)[0])  # noqa: E731
     else:
         step = fn
@@ -297,6 +318,16 @@ class JaxcommBackend(Backend):
         peer = peer_of(comm.rank, comm.size)
         if op == "sendrecv":
             return lambda x: comm.sendrecv(x, source=peer, dest=peer)
+        if op == "isendrecv":
+
+            def isendrecv(x):
+                received = comm.irecv(x, source=peer)
+                comm.wait(comm.isend(x, dest=peer))
+                return comm.wait(received)
+
+            return isendrecv
+        if op in NONBLOCKING:
+            return lambda x: comm.wait(getattr(comm, op)(x))
         return getattr(comm, op)
 
     def case(self, op, count):
@@ -304,7 +335,7 @@ class JaxcommBackend(Backend):
 
 
 class Mpi4jaxBackend(Backend):
-    """mpi4jax >= 0.7 (no tokens). It has no reduce_scatter."""
+    """mpi4jax >= 0.7 (no tokens). It has no reduce_scatter and no non-blocking ops."""
 
     def __init__(self, comm: MPI.Intracomm, *, jit: bool):
         import mpi4jax
@@ -327,7 +358,7 @@ class Mpi4jaxBackend(Backend):
         }[op]
 
     def case(self, op, count):
-        if op == "reduce_scatter":
+        if op == "reduce_scatter" or op in NONBLOCKING:
             return None
         return jax_case(op, count, self._call, jit=self.jit, comm=self.comm)
 

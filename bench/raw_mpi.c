@@ -9,8 +9,9 @@
 #include <mpi.h>
 #include <string.h>
 
-/* Runs `iters` calls of `op` on float32 buffers and returns the seconds taken.
- * `count` is the block size in elements (see bench/ops.py for each op's shapes);
+/* Runs `iters` calls of `op` on float32 buffers and returns the seconds taken;
+ * a non-blocking op ("iallreduce", ..., "isendrecv") is posted and waited at once.
+ * `count` is the block size in elements (see bench/backends.py for each op's shapes);
  * `a` and `b` are the op's input and output buffers; ops that map a buffer onto
  * one of the same shape swap them after each call, as a loop carry would. */
 double raw_mpi_time(const char* op, MPI_Fint comm_f, float* a, float* b, int count, int iters) {
@@ -20,6 +21,7 @@ double raw_mpi_time(const char* op, MPI_Fint comm_f, float* a, float* b, int cou
   MPI_Comm_size(comm, &size);
   const int peer = (rank ^ 1) < size ? (rank ^ 1) : rank;
   float* t;
+  MPI_Request requests[2];
   double start = MPI_Wtime();
   if (!strcmp(op, "allreduce")) {
     for (int i = 0; i < iters; ++i) {
@@ -47,6 +49,40 @@ double raw_mpi_time(const char* op, MPI_Fint comm_f, float* a, float* b, int cou
     for (int i = 0; i < iters; ++i) {
       MPI_Scan(a, b, count, MPI_FLOAT, MPI_SUM, comm);
       t = a, a = b, b = t;
+    }
+  } else if (!strcmp(op, "iallreduce")) {
+    for (int i = 0; i < iters; ++i) {
+      MPI_Iallreduce(a, b, count, MPI_FLOAT, MPI_SUM, comm, &requests[0]);
+      MPI_Wait(&requests[0], MPI_STATUS_IGNORE);
+      t = a, a = b, b = t;
+    }
+  } else if (!strcmp(op, "ibcast")) {
+    for (int i = 0; i < iters; ++i) {
+      MPI_Ibcast(a, count, MPI_FLOAT, 0, comm, &requests[0]);
+      MPI_Wait(&requests[0], MPI_STATUS_IGNORE);
+    }
+  } else if (!strcmp(op, "isendrecv")) {
+    for (int i = 0; i < iters; ++i) {
+      MPI_Irecv(b, count, MPI_FLOAT, peer, 0, comm, &requests[0]);
+      MPI_Isend(a, count, MPI_FLOAT, peer, 0, comm, &requests[1]);
+      MPI_Waitall(2, requests, MPI_STATUSES_IGNORE);
+      t = a, a = b, b = t;
+    }
+  } else if (!strcmp(op, "ialltoall")) {
+    for (int i = 0; i < iters; ++i) {
+      MPI_Ialltoall(a, count, MPI_FLOAT, b, count, MPI_FLOAT, comm, &requests[0]);
+      MPI_Wait(&requests[0], MPI_STATUS_IGNORE);
+      t = a, a = b, b = t;
+    }
+  } else if (!strcmp(op, "iallgather")) {
+    for (int i = 0; i < iters; ++i) {
+      MPI_Iallgather(a, count, MPI_FLOAT, b, count, MPI_FLOAT, comm, &requests[0]);
+      MPI_Wait(&requests[0], MPI_STATUS_IGNORE);
+    }
+  } else if (!strcmp(op, "ireduce_scatter")) {
+    for (int i = 0; i < iters; ++i) {
+      MPI_Ireduce_scatter_block(a, b, count, MPI_FLOAT, MPI_SUM, comm, &requests[0]);
+      MPI_Wait(&requests[0], MPI_STATUS_IGNORE);
     }
   } else {
     return -1.0;

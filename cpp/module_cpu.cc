@@ -29,11 +29,51 @@ namespace jaxcomm {
 JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind(), JAXCOMM_BIND_ATTRIBUTE)
 JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind(), JAXCOMM_BIND_ATTRIBUTE)
 JAXCOMM_DEFINE_CPU_HANDLER(wait, Wait, waiting(ffi::Ffi::Bind()), )
+JAXCOMM_DEFINE_CPU_HANDLER(test, Test, testing(ffi::Ffi::Bind()), )
 #undef JAXCOMM_DEFINE_CPU_HANDLER
 }  // namespace jaxcomm
 
 namespace jaxcomm {
 namespace {
+
+// An XLA FFI buffer description of memory that a Python object owns, held
+// through the buffer protocol while it lives.
+struct HeldBuffer {
+  XLA_FFI_Buffer buffer{};
+  std::vector<int64_t> dims;
+  Py_buffer view{};  // held until the call is over
+
+  HeldBuffer() = default;
+  HeldBuffer(const HeldBuffer&) = delete;
+  HeldBuffer& operator=(const HeldBuffer&) = delete;
+  ~HeldBuffer() {
+    if (view.obj != nullptr) PyBuffer_Release(&view);
+  }
+
+  void describe(nb::handle array, int dtype, bool writable) {
+    // PyBUF_ND: C-contiguous, or refused.
+    int flags = writable ? PyBUF_ND | PyBUF_WRITABLE : PyBUF_ND;
+    void* data = nullptr;
+    if (PyObject_GetBuffer(array.ptr(), &view, flags) == 0) {
+      data = view.buf;
+      dims.assign(view.shape, view.shape + view.ndim);
+    } else if (!writable && PyErr_ExceptionMatches(PyExc_BufferError)) {
+      // jax.Array refuses the protocol for dtypes that have no buffer format
+      // (bfloat16).
+      PyErr_Clear();
+      array.attr("block_until_ready")();
+      data = reinterpret_cast<void*>(nb::cast<uintptr_t>(array.attr("unsafe_buffer_pointer")()));
+      dims = nb::cast<std::vector<int64_t>>(array.attr("shape"));
+    } else {
+      throw nb::python_error();
+    }
+    buffer.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
+    buffer.dtype = static_cast<XLA_FFI_DataType>(dtype);
+    buffer.data = data;
+    buffer.rank = static_cast<int64_t>(dims.size());
+    buffer.dims = dims.data();
+  }
+};
 
 // Eager calls run a host operation directly on the buffers of arrays that are
 // already computed, outside XLA (jaxcomm's eager fast path). Inputs are
@@ -81,45 +121,7 @@ class EagerArguments {
   }
 
  private:
-  // An XLA FFI buffer description of memory that a Python object owns.
-  struct Described {
-    XLA_FFI_Buffer buffer{};
-    std::vector<int64_t> dims;
-    Py_buffer view{};  // held until the call is over
-
-    Described() = default;
-    Described(const Described&) = delete;
-    Described& operator=(const Described&) = delete;
-    ~Described() {
-      if (view.obj != nullptr) PyBuffer_Release(&view);
-    }
-
-    void describe(nb::handle array, int dtype, bool writable) {
-      // PyBUF_ND: C-contiguous, or refused.
-      int flags = writable ? PyBUF_ND | PyBUF_WRITABLE : PyBUF_ND;
-      void* data = nullptr;
-      if (PyObject_GetBuffer(array.ptr(), &view, flags) == 0) {
-        data = view.buf;
-        dims.assign(view.shape, view.shape + view.ndim);
-      } else if (!writable && PyErr_ExceptionMatches(PyExc_BufferError)) {
-        // jax.Array refuses the protocol for dtypes that have no buffer format
-        // (bfloat16).
-        PyErr_Clear();
-        array.attr("block_until_ready")();
-        data = reinterpret_cast<void*>(nb::cast<uintptr_t>(array.attr("unsafe_buffer_pointer")()));
-        dims = nb::cast<std::vector<int64_t>>(array.attr("shape"));
-      } else {
-        throw nb::python_error();
-      }
-      buffer.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
-      buffer.dtype = static_cast<XLA_FFI_DataType>(dtype);
-      buffer.data = data;
-      buffer.rank = static_cast<int64_t>(dims.size());
-      buffer.dims = dims.data();
-    }
-  };
-
-  std::vector<Described> inputs_, outputs_;
+  std::vector<HeldBuffer> inputs_, outputs_;
   nb::tuple attrs_;
   XLA_FFI_Buffer token_{};
   std::vector<std::string> strings_;
@@ -230,21 +232,45 @@ class EagerCall {
   nb::object before_, fail_;
 };
 
-// The eager wait: completes the request posted at `request` whose result MPI
-// writes at `out` (0: none). Returns ("", "", source, tag), or the error's code
-// name and message.
-std::tuple<std::string, std::string, int, int> complete(uintptr_t request, uintptr_t out) {
+// Where the memory of `array` (a NumPy array or jax.Array; None: nowhere) is. The
+// caller keeps the array alive while it uses the address.
+const void* address_of(nb::handle array) {
+  if (array.is_none()) return nullptr;
+  HeldBuffer held;
+  held.describe(array, 0, /*writable=*/false);
+  return held.buffer.data;
+}
+
+// The eager wait: completes the request posted in the buffer of `request`,
+// whose result MPI writes into `out` (None: none). Returns ("", "", source,
+// tag), or the error's code name and message.
+std::tuple<std::string, std::string, int, int> complete(nb::handle request, nb::handle out) {
   int32_t status[2] = {MPI_PROC_NULL, MPI_ANY_TAG};
+  const void* key = address_of(request);
+  const void* result = address_of(out);
   ffi::Error error = ffi::Error::Success();
   {
     nb::gil_scoped_release unlocked;
     host::CheckInterrupts interrupts(&python_interrupted);
-    error = host::complete(reinterpret_cast<const void*>(request),
-                           reinterpret_cast<const void*>(out), status);
+    error = host::complete(key, result, status);
   }
   raise_if_interrupted();
   if (!error.success()) return {error_code_name(error.errc()), error.message(), 0, 0};
   return {"", "", status[0], status[1]};
+}
+
+// The eager test: whether the request posted in the buffer of `request` has
+// completed. Returns ("", "", done), or the error's code name and message.
+std::tuple<std::string, std::string, bool> test(nb::handle request) {
+  bool done = false;
+  const void* key = address_of(request);
+  ffi::Error error = ffi::Error::Success();
+  {
+    nb::gil_scoped_release unlocked;
+    error = host::test(key, &done);
+  }
+  if (!error.success()) return {error_code_name(error.errc()), error.message(), false};
+  return {"", "", done};
 }
 
 }  // namespace
@@ -276,6 +302,7 @@ NB_MODULE(_jaxcomm_cpu, m) {
     JAXCOMM_OPERATIONS(JAXCOMM_REGISTER, _, JAXCOMM_ATTRIBUTE_NAME)
     JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_REGISTER, _, JAXCOMM_ATTRIBUTE_NAME)
     JAXCOMM_REGISTER(wait, _)
+    JAXCOMM_REGISTER(test, _)
 #undef JAXCOMM_REGISTER
     return targets;
   });
@@ -310,13 +337,16 @@ NB_MODULE(_jaxcomm_cpu, m) {
     reduce_ops.append(jaxcomm::reduce_op_name(op));
   }
   m.attr("reduce_op_names") = reduce_ops;
-  m.def("complete", &jaxcomm::complete, nb::arg("request"), nb::arg("out"),
-        "Wait for the non-blocking operation whose request buffer is at `request`.");
+  m.def("complete", &jaxcomm::complete, nb::arg("request"), nb::arg("out").none(),
+        "Wait for the non-blocking operation posted in the buffer of `request`.");
+  m.def("test", &jaxcomm::test, nb::arg("request"),
+        "Whether the non-blocking operation posted in the buffer of `request` is done.");
   m.def(
       "discard",
-      [](uintptr_t request) {
+      [](nb::handle request) {
+        const void* key = jaxcomm::address_of(request);
         nb::gil_scoped_release unlocked;
-        jaxcomm::host::discard(reinterpret_cast<const void*>(request));
+        jaxcomm::host::discard(key);
       },
       nb::arg("request"), "Drop a non-blocking operation that will never be waited.");
   m.def("mpi_library_version", &library_version,

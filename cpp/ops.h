@@ -65,6 +65,8 @@ ffi::Error Irecv(Token, Buffer like, TokenOut, Result out, Result request, int64
 // Completes the request named by `request`; its other operands only keep buffers
 // alive. Results: the received data (aliased with the start's), then the status.
 ffi::Error Wait(Token, Buffer request, ffi::RemainingArgs, TokenOut, ffi::RemainingRets results);
+// Whether the request named by `request` has completed (requests.h, test).
+ffi::Error Test(Token, Buffer request, TokenOut, ffi::Result<ffi::BufferR0<ffi::PRED>> done);
 
 ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check,
                            std::string_view operation);
@@ -142,8 +144,8 @@ auto one_input(Binding&& base) {
 #define JAXCOMM_BIND_ATTRIBUTE(type, name) .Attr<type>(#name)
 #define JAXCOMM_ATTRIBUTE_NAME(type, name) #name,
 
-// The non-blocking starts, as JAXCOMM_OPERATIONS; the CPU backend registers them
-// and jaxcomm_wait. A start returns its result's buffer, the request and x passed
+// The non-blocking starts, as JAXCOMM_OPERATIONS; the CPU backend registers them,
+// jaxcomm_wait and jaxcomm_test. A start returns its result's buffer, the request and x passed
 // through (isend has no result, irecv no x).
 #define JAXCOMM_NONBLOCKING_OPERATIONS(X, base, A)                                                 \
   X(iallreduce, Iallreduce, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)),           \
@@ -164,6 +166,15 @@ auto waiting(Binding&& base) {
       .RemainingArgs()
       .template Ret<host::Token>()
       .RemainingRets();
+}
+
+template <typename Binding>
+auto testing(Binding&& base) {
+  return std::forward<Binding>(base)
+      .template Arg<host::Token>()
+      .template Arg<host::Buffer>()
+      .template Ret<host::Token>()
+      .template Ret<ffi::BufferR0<ffi::PRED>>();
 }
 
 }  // namespace jaxcomm

@@ -1,5 +1,6 @@
 #include "requests.h"
 
+#include <algorithm>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -29,9 +30,30 @@ std::string wait_name(std::string_view operation) { return "wait(" + std::string
 
 void drop(Pending& pending) {
   for (MPI_Request& request : pending.requests) {
-    if (pending.cancellable) MPI_Cancel(&request);
+    if (pending.cancellable && request != MPI_REQUEST_NULL) MPI_Cancel(&request);
     MPI_Wait(&request, MPI_STATUS_IGNORE);
   }
+}
+
+ffi::Error nothing_pending(std::string_view what) {
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    "jaxcomm: " + std::string(what) +
+                        ": no request is pending here (waited twice, or the request comes "
+                        "from another call of a jitted function)");
+}
+
+// Room for the statuses of `pending`'s requests; with none (a message to or from
+// MPI_PROC_NULL, or an empty array), one status that says nothing arrived.
+MPI_Status* statuses_of(Pending& pending) {
+  const size_t n = pending.requests.size();
+  if (pending.statuses.size() < std::max<size_t>(n, 1)) {
+    pending.statuses.resize(std::max<size_t>(n, 1));
+    if (n == 0) {
+      pending.statuses[0].MPI_SOURCE = MPI_PROC_NULL;
+      pending.statuses[0].MPI_TAG = MPI_ANY_TAG;
+    }
+  }
+  return pending.statuses.data();
 }
 
 }  // namespace
@@ -47,12 +69,7 @@ int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, bool cancellabl
   constexpr int kPollsPerCheck = 4096;
   for (int polls = 0;; ++polls) {
     int done = 0;
-    const int code = MPI_Testall(n, requests, &done, statuses);
-    if (code == MPI_ERR_IN_STATUS) {
-      for (int i = 0; i < n; ++i)
-        if (statuses[i].MPI_ERROR != MPI_SUCCESS && statuses[i].MPI_ERROR != MPI_ERR_PENDING)
-          return statuses[i].MPI_ERROR;
-    }
+    const int code = test_all(n, requests, statuses, &done);
     if (code != MPI_SUCCESS || done) return code;
     if (polls >= kPollsBeforeYield) std::this_thread::yield();
     if (cancellable && interrupt_check != nullptr && polls % kPollsPerCheck == kPollsPerCheck - 1 &&
@@ -64,6 +81,16 @@ int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, bool cancellabl
   }
 }
 
+int test_all(int n, MPI_Request* requests, MPI_Status* statuses, int* done) {
+  const int code = MPI_Testall(n, requests, done, statuses);
+  if (code == MPI_ERR_IN_STATUS) {
+    for (int i = 0; i < n; ++i)
+      if (statuses[i].MPI_ERROR != MPI_SUCCESS && statuses[i].MPI_ERROR != MPI_ERR_PENDING)
+        return statuses[i].MPI_ERROR;
+  }
+  return code;
+}
+
 CheckInterrupts::CheckInterrupts(bool (*interrupted)()) : previous_(interrupt_check) {
   interrupt_check = interrupted;
 }
@@ -71,6 +98,7 @@ CheckInterrupts::CheckInterrupts(bool (*interrupted)()) : previous_(interrupt_ch
 CheckInterrupts::~CheckInterrupts() { interrupt_check = previous_; }
 
 void abandon(MPI_Request* request) {
+  if (*request == MPI_REQUEST_NULL) return;
   MPI_Cancel(request);
   MPI_Wait(request, MPI_STATUS_IGNORE);
 }
@@ -108,35 +136,49 @@ void discard(const void* key) {
   drop(pending);
 }
 
+ffi::Error test(const void* key, bool* done) {
+  Table& t = table();
+  // MPI_Testall returns at once, so holding the table meanwhile delays no one.
+  std::lock_guard lock(t.mutex);
+  auto at = t.pending.find(key);
+  if (at == t.pending.end()) return nothing_pending("test");
+  Pending& pending = at->second;
+  if (!pending.done) {
+    int flag = 0;
+    const int n = static_cast<int>(pending.requests.size());
+    const std::string name = "test(" + std::string(pending.operation) + ")";
+    JAXCOMM_CHECK_MPI(test_all(n, pending.requests.data(), statuses_of(pending), &flag), name,
+                      MPI_COMM_WORLD);
+    pending.done = flag != 0;
+  }
+  *done = pending.done;
+  return ffi::Error::Success();
+}
+
 ffi::Error complete(const void* key, const void* out, int32_t* status) {
   Pending pending;
   {
     Table& t = table();
     std::lock_guard lock(t.mutex);
     auto at = t.pending.find(key);
-    if (at == t.pending.end())
-      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                        "jaxcomm: wait: no request is pending here (waited twice, or the "
-                        "request comes from another call of a jitted function)");
+    if (at == t.pending.end()) return nothing_pending("wait");
     pending = std::move(at->second);
     t.pending.erase(at);
   }
   const std::string name = wait_name(pending.operation);
   Call call(pending.comm_key, pending.check, name);
-  const int n = static_cast<int>(pending.requests.size());
-  std::vector<MPI_Status> statuses(n > 0 ? n : 1);
-  if (n == 0) {
-    statuses[0].MPI_SOURCE = MPI_PROC_NULL;
-    statuses[0].MPI_TAG = MPI_ANY_TAG;
+  MPI_Status* statuses = statuses_of(pending);
+  if (!pending.done) {
+    const int n = static_cast<int>(pending.requests.size());
+    JAXCOMM_CHECK_MPI(wait_all(n, pending.requests.data(), statuses, pending.cancellable), name,
+                      call.comm());
   }
-  JAXCOMM_CHECK_MPI(wait_all(n, pending.requests.data(), statuses.data(), pending.cancellable),
-                    name, call.comm());
   if (out != nullptr && pending.out != nullptr && out != pending.out)
     return ffi::Error(ffi::ErrorCode::kInternal,
                       "jaxcomm: " + name +
                           ": XLA moved the result buffer between the start and the wait; "
                           "the result is lost. Please report this.");
-  return pending.finish ? pending.finish(call, statuses.data(), status) : ffi::Error::Success();
+  return pending.finish ? pending.finish(call, statuses, status) : ffi::Error::Success();
 }
 
 }  // namespace jaxcomm::host
@@ -157,6 +199,10 @@ ffi::Error Wait(Token, Buffer request, ffi::RemainingArgs, TokenOut, ffi::Remain
     status = static_cast<int32_t*>((*result)->untyped_data());
   }
   return complete(request.untyped_data(), out, status);
+}
+
+ffi::Error Test(Token, Buffer request, TokenOut, ffi::Result<ffi::BufferR0<ffi::PRED>> done) {
+  return test(request.untyped_data(), done->typed_data());
 }
 
 }  // namespace jaxcomm::host

@@ -27,6 +27,10 @@ namespace ffi = xla::ffi;
 // (only point-to-point requests are `cancellable`: MPI cannot cancel collectives).
 int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, bool cancellable = true);
 
+// MPI_Testall, with the error of the first failed request rather than
+// MPI_ERR_IN_STATUS. `*done` is whether all `n` have completed.
+int test_all(int n, MPI_Request* requests, MPI_Status* statuses, int* done);
+
 // While it lives, waits on this thread ask `interrupted()` now and then whether
 // to give up (the eager path: a KeyboardInterrupt on the Python thread).
 class CheckInterrupts {
@@ -41,7 +45,7 @@ class CheckInterrupts {
 };
 
 // Cancels a request and waits until it is cancelled or complete: until then MPI
-// may still use its buffer.
+// may still use its buffer. A completed (null) request is left as it is.
 void abandon(MPI_Request* request);
 
 // What a start leaves for its wait.
@@ -52,6 +56,10 @@ struct Pending {
   std::vector<MPI_Request> requests;
   bool cancellable = false;   // point to point (MPI cannot cancel a collective)
   const void* out = nullptr;  // where MPI writes the result, if anywhere
+  // Set once `test` has found every request complete, with their statuses: MPI
+  // has released the requests, so the wait only finishes.
+  bool done = false;
+  std::vector<MPI_Status> statuses;
   // Runs once the requests are complete, with their statuses: checks the
   // received count, normalises logical results, fills in the status.
   std::function<ffi::Error(Call& wait, const MPI_Status* statuses, int32_t* status)> finish;
@@ -65,6 +73,10 @@ ffi::Error post(const void* key, Pending pending);
 // Drops the requests recorded under `key`, if any: cancels them where MPI can,
 // and waits until MPI no longer uses their buffers.
 void discard(const void* key);
+
+// Whether the requests recorded under `key` have completed, without waiting;
+// polling this also lets MPI progress them. The wait must still follow.
+ffi::Error test(const void* key, bool* done);
 
 // Waits for the requests recorded under `key` and finishes them. `out` is where
 // the caller expects the result (null: anywhere); `status` receives (source, tag)

@@ -75,6 +75,7 @@ __all__ = [
     "scatter",
     "send",
     "sendrecv",
+    "test",
     "wait",
     "waitall",
 ]
@@ -181,6 +182,7 @@ iallgather = _module_function("iallgather")
 ialltoall = _module_function("ialltoall")
 isend = _module_function("isend")
 irecv = _module_function("irecv")
+test = _module_function("test")
 wait = _module_function("wait")
 waitall = _module_function("waitall")
 

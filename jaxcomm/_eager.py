@@ -297,17 +297,27 @@ def remember(op: EagerOp, x: Any, comm: Any, params: Params, fuse: bool) -> None
         _prepared_calls.put(_tree_key(op, tree, leaves, comm, params), call)
 
 
+def remember_array(op: EagerOp, x: Any, comm: Any, params: Params, wrapped=None) -> None:
+    """Let `again` take calls of op on arrays like x, which has just passed the
+    method's checks: op's EagerCall, its first `wrapped` results jax.Arrays."""
+    if type(x) is ArrayImpl and can_run([x]):
+        call = _prepared(op, ((x.shape, x.dtype),), comm, params, _device(x.sharding), wrapped)
+        _prepared_calls.put(_array_key(op, x, comm, params), call)
+
+
+def _wrapper(shape: tuple[int, ...], dtype: np.dtype, device: Any) -> Callable:
+    return _prepared_calls.get_or_make(
+        ("wrap", shape, dtype, device), lambda: host_arrays(core.ShapedArray(shape, dtype), device)
+    )
+
+
 def as_array(values: np.ndarray, like: jax.Array) -> jax.Array:
     """NumPy `values` as a jax.Array on `like`'s (CPU) device, sharing their memory
     when it is aligned."""
-    aval = core.ShapedArray(values.shape, values.dtype)
-    return host_arrays(aval, _device(like.sharding))(values)
+    return _wrapper(values.shape, values.dtype, _device(like.sharding))(values)
 
 
 def scalars(values: np.ndarray, like: jax.Array) -> list[jax.Array]:
     """The elements of 1-d `values` as 0-d arrays on `like`'s (CPU) device."""
-    dtype, device = values.dtype, _device(like.sharding)
-    wrap = _prepared_calls.get_or_make(
-        ("scalar", dtype, device), lambda: host_arrays(core.ShapedArray((), dtype), device)
-    )
+    wrap = _wrapper((), values.dtype, _device(like.sharding))
     return [wrap(value) for value in values]

@@ -42,7 +42,8 @@ from jax.interpreters import ad, mlir
 from mpi4py import MPI
 
 from jaxcomm import _collectives, _eager, _p2p, _reductions, _replicated
-from jaxcomm._jax_internals import COMM_EFFECT, at_top_level, lower_with_token
+from jaxcomm._fusion import Params
+from jaxcomm._jax_internals import COMM_EFFECT, ArrayImpl, at_top_level, lower_with_token
 from jaxcomm._native import PLATFORMS, cpu
 from jaxcomm._ops import ReduceOp
 from jaxcomm._primitive import CommInfo, CommPrimitive, comm_primitive
@@ -164,6 +165,37 @@ def _wait_lowering(ctx, request, *buffers, operation, comm, params):
     return lower_with_token("jaxcomm_wait", aliases=aliases)(ctx, request, *buffers)
 
 
+# -- polling ---------------------------------------------------------------------------
+
+test_p = Primitive("jaxcomm_test")
+test_p.def_impl(lambda request: jnp.asarray(_test_now(request)))
+test_p.def_effectful_abstract_eval(lambda request: (core.ShapedArray((), np.bool_), {COMM_EFFECT}))
+mlir.register_lowering(test_p, lower_with_token("jaxcomm_test"), platform="cpu")
+
+
+def _test_now(request) -> bool:
+    """Whether a request posted outside any trace has completed."""
+    code, message, done = cpu.test(request)
+    if code:
+        raise jax.errors.JaxRuntimeError(f"{code}: {message}")
+    return done
+
+
+def _test_jvp(primals, tangents):
+    # A tangent request, if any, completes at the wait with the primal one.
+    done = test_p.bind(primals[0])
+    return done, zero_tangent(done)
+
+
+def _test_batch(args, dims):
+    if dims[0] is not None:
+        raise ValueError("test: a request cannot be batched")
+    return test_p.bind(*args), None
+
+
+define_rules(test_p, jvp=_test_jvp, batch=_test_batch)
+
+
 def _host_only(ctx, *args, **params):
     raise NotImplementedError(
         "jaxcomm's non-blocking operations run on host (CPU) arrays only; on GPU use "
@@ -175,6 +207,7 @@ mlir.register_lowering(wait_p, _wait_lowering, platform="cpu")
 for _platform in PLATFORMS:
     if _platform != "cpu":
         mlir.register_lowering(wait_p, _host_only, platform=_platform)
+        mlir.register_lowering(test_p, _host_only, platform=_platform)
         for _op in OPERATIONS.values():
             mlir.register_lowering(_op.start, _host_only, platform=_platform)
 
@@ -226,7 +259,7 @@ class Request:
                 _ABANDONED.update(self._posted)
             elif not MPI.Is_finalized():  # MPI must be done with the buffers first
                 for _, request, _ in self._parts:
-                    cpu.discard(_address(request))
+                    cpu.discard(request)
             warnings.warn(
                 f"jaxcomm: a request of {self.operation} was never waited; every request "
                 "must be waited before the function that posted it returns",
@@ -234,21 +267,36 @@ class Request:
                 stacklevel=1,
             )
 
-    def wait(self) -> tuple[Any, Any]:
-        """The operation's result, and the (source, tag) array of a receive posted
-        with return_status (else None)."""
+    def _check_usable(self, what: str) -> None:
         if self.waited:
-            raise ValueError(f"wait: this request of {self.operation} has already been waited")
+            raise ValueError(f"{what}: this request of {self.operation} has already been waited")
         if self._traced and at_top_level():
             raise ValueError(
-                f"wait: this request of {self.operation} was posted inside a traced "
-                "function (jit, vmap, grad...), which has returned; wait for it there"
+                f"{what}: this request of {self.operation} was posted inside a traced "
+                f"function (jit, vmap, grad...), which has returned; {what} it there"
             )
         if self._at_top_level and not at_top_level():
             raise ValueError(
-                f"wait: this request of {self.operation} was posted outside the traced "
-                "function that waits for it; post and wait in the same function"
+                f"{what}: this request of {self.operation} was posted outside the traced "
+                "function that uses it; post, test and wait in the same function"
             )
+
+    def test(self) -> bool | jax.Array:
+        """Whether the operation has completed (a bool; a traced bool scalar inside
+        a traced function), without waiting."""
+        self._check_usable("test")
+        requests = [request for _, request, _ in self._parts]
+        if not self._traced:
+            return all(_test_now(request) for request in requests)
+        done = jnp.array(True)
+        for request in requests:
+            done = done & test_p.bind(request)
+        return done
+
+    def wait(self) -> tuple[Any, Any]:
+        """The operation's result, and the (source, tag) array of a receive posted
+        with return_status (else None)."""
+        self._check_usable("wait")
         self.waited = True
         waits = _wait_traced if self._traced else _wait_now
         results, status = [], None
@@ -273,25 +321,28 @@ def _wait_traced(operation, comm, params, pending, request, keep):
 
 def _wait_now(operation, comm, params, pending, request, keep):
     """Complete a request posted outside any trace, now."""
-    if isinstance(request, jax.Array):
-        request.block_until_ready()  # posted through JAX's dispatch (not the direct path)
-    code, message, source, tag = cpu.complete(_address(request), _address(pending))
+    # Through the buffer protocol, which waits for buffers that JAX's dispatch
+    # (rather than the direct path) is still computing.
+    code, message, source, tag = cpu.complete(request, pending)
     if code:
         raise jax.errors.JaxRuntimeError(f"{code}: {message}")
     if pending is None:
         return []
-    if isinstance(pending, np.ndarray):
-        pending = _eager.as_array(pending, keep if keep is not None else request)
-    status = np.array([source, tag], np.int32)
-    return [pending, status] if OPERATIONS[operation].kind.status else [pending]
+    if isinstance(pending, np.ndarray):  # the direct path: keep is the posted leaf
+        pending = _eager.as_array(pending, keep)
+    if not OPERATIONS[operation].kind.status:
+        return [pending]
+    return [pending, np.array([source, tag], np.int32)]
 
 
-def _address(buffer) -> int:
-    if buffer is None:
-        return 0
-    if isinstance(buffer, np.ndarray):
-        return buffer.ctypes.data
-    return buffer.unsafe_buffer_pointer()
+def _part(kind: Kind, outputs: Sequence[Any], leaf: Any, direct: bool) -> tuple:
+    """(pending, request, keep) of a leaf's start, from its outputs."""
+    outputs = list(outputs)
+    pending = outputs.pop(0) if kind.pending else None
+    request = outputs.pop(0)
+    # On the direct path MPI reads the leaf's own buffer: hold on to the leaf.
+    keep = outputs.pop(0) if kind.keep and not direct else leaf
+    return pending, request, keep
 
 
 def start(
@@ -303,17 +354,37 @@ def start(
     for leaf in leaves:
         direct = _eager.can_run([leaf])
         if direct:  # NumPy results, which MPI writes until the wait
-            outputs = list(op.start.eager([leaf], comm, wrapped=0, posted=0, **params))
+            outputs = op.start.eager([leaf], comm, wrapped=0, **params)
         else:
             number = 0 if at_top_level() else next(_posted)
             posted.append(number)
-            outputs = list(op.start.bind(leaf, comm=comm, posted=number, **params))
-        pending = outputs.pop(0) if op.kind.pending else None
-        request = outputs.pop(0)
-        # On the direct path MPI reads the leaf's own buffer: hold on to the leaf.
-        keep = outputs.pop(0) if op.kind.keep and not direct else leaf
-        parts.append((pending, request, keep))
+            outputs = op.start.bind(leaf, comm=comm, posted=number, **params)
+        parts.append(_part(op.kind, outputs, leaf, direct))
     return Request(operation, comm, params, parts, tree, return_status, tuple(posted))
+
+
+_ONE_ARRAY = jax.tree.structure(0)
+
+
+def again(operation: str, x: Any, comm: CommInfo, params: Params, return_status: bool):
+    """The Request of posting `operation` on the array x now, if an earlier post
+    on an array like x passed the method's checks (`remember`) and no trace is
+    active; else None."""
+    if type(x) is not ArrayImpl:
+        return None
+    op = OPERATIONS[operation]
+    found = _eager.again(op.start.eager, x, comm, params)
+    if found is None:
+        return None
+    first, rest = found
+    part = _part(op.kind, [first, *rest], x, direct=True)
+    return Request(operation, comm, dict(params), [part], _ONE_ARRAY, return_status)
+
+
+def remember(operation: str, x: Any, comm: CommInfo, params: Params) -> None:
+    """Let `again` take posts like this one, on x which has just passed the
+    method's checks."""
+    _eager.remember_array(OPERATIONS[operation].start.eager, x, comm, params, wrapped=0)
 
 
 # -- AD ----------------------------------------------------------------------------------

@@ -416,6 +416,10 @@ class JaxComm:
         return_status: bool = False,
         **params: Any,
     ) -> Request:
+        comm, items = self._comm, tuple(params.items())
+        request = _nonblocking.again(operation, x, comm, items, return_status)
+        if request is not None:  # an earlier post like this one passed the checks below
+            return request
         leaves, tree = self._leaves(operation, x, params.get("op"))
         for leaf in leaves:
             if leading_axis is not None:
@@ -427,10 +431,11 @@ class JaxComm:
                     f"{operation}: non-blocking operations take host (CPU) arrays; "
                     "on GPU use the blocking form"
                 )
-        comm = self._comm
-        return _nonblocking.start(
+        request = _nonblocking.start(
             operation, leaves, tree, comm=comm, return_status=return_status, **params
         )
+        _nonblocking.remember(operation, x, comm, items)
+        return request
 
     def iallreduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> Request:
         """Post allreduce; ``wait`` returns its result. Like MPI_Iallreduce."""
@@ -490,6 +495,16 @@ class JaxComm:
             return result
         leaves = jax.tree.leaves(result)
         return result, _status(status, leaves[0] if leaves else None)
+
+    def test(self, request: Request) -> bool | jax.Array:
+        """Whether a non-blocking operation has completed, without waiting: a bool, or
+        inside a traced function a traced bool scalar. Its result is read only by
+        ``wait``, which must still follow; calling ``test`` while computing also lets
+        MPI progress the message.
+        """
+        if not isinstance(request, Request):
+            raise TypeError(f"test: expected a jaxcomm Request, got {type(request).__name__}")
+        return request.test()
 
     def waitall(self, requests: Sequence[Request]) -> list[Any]:
         """wait for each request in order; returns their results."""

@@ -25,7 +25,8 @@ def test_latency_suite_checks_and_records_every_backend(tmp_path):
     result = run(2, args, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     records = [json.loads(line) for line in (tmp_path / "latency.jsonl").read_text().splitlines()]
-    ops = {"allreduce", "bcast", "sendrecv", "alltoall", "allgather", "reduce_scatter", "scan"}
+    blocking = {"allreduce", "bcast", "sendrecv", "alltoall", "allgather", "reduce_scatter", "scan"}
+    ops = blocking | {"i" + op for op in blocking - {"scan"}}
     backends = {"C", "mpi4py", "jaxcomm-jit", "jaxcomm-eager", "jaxcomm-jit-check"}
     assert {(r["op"], r["backend"]) for r in records} == {(o, b) for o in ops for b in backends}
     bad = [r for r in records if not (r["median_us"] > 0 and r["bytes"] in (4, 16, 64))]

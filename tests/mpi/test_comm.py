@@ -137,7 +137,8 @@ def test_the_cpp_and_python_declarations_agree():
 
     declared = set(_native.cpu.attributes())
     assert set(PRIMITIVES) == declared
-    assert set(_native.cpu.registrations()) == {f"jaxcomm_{n}" for n in declared | {"wait"}}
+    polling = {"wait", "test"}
+    assert set(_native.cpu.registrations()) == {f"jaxcomm_{n}" for n in declared | polling}
     if _native.cuda is not None:
         blocking = declared - set(_nonblocking.OPERATIONS)
         assert set(_native.cuda.registrations()) == {f"jaxcomm_{n}" for n in blocking}

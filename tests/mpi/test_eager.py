@@ -19,7 +19,9 @@ pytestmark = pytest.mark.skipif(not _eager.ENABLED, reason="JAXCOMM_EAGER=jit: n
 
 @pytest.fixture
 def full_path_calls(monkeypatch):
-    """How many JaxComm calls have gone through argument handling (not the shortcut)."""
+    """How many JaxComm calls have gone through argument handling (not the shortcut),
+    starting from an empty cache of prepared calls (whatever tests ran before)."""
+    monkeypatch.setattr(_eager, "_prepared_calls", _eager._Prepared(64))
     calls = []
     leaves = JaxComm._leaves
 
@@ -131,6 +133,25 @@ def test_repeated_pytree_sendrecv_gives_new_values_and_keeps_its_checks(comm, fu
     # A recvbuf of another structure is refused, though its leaves are alike.
     with pytest.raises(ValueError, match="recvbuf's structure"):
         comm.sendrecv(tree, recvbuf=[tree["a"], tree["b"][0]], source=left, dest=right)
+
+
+def test_repeated_posts_give_new_values_and_keep_their_checks(comm, full_path_calls):
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    for seed in (0, 10, 20):
+        x = jnp.full(3, float(seed + comm.rank))
+        total = comm.iallreduce(x)
+        received = comm.irecv(x, source=left, tag=seed, return_status=True)
+        comm.wait(comm.isend(x, dest=right, tag=seed))
+        out, status = comm.wait(received)
+        assert_values(out, np.full(3, float(seed + left), FLOAT))
+        assert (int(status.source), int(status.tag)) == (left, seed)
+        expected = sum(seed + r for r in range(comm.size))
+        assert_values(comm.wait(total), np.full(3, float(expected), FLOAT))
+    # Each tag is a new signature; the iallreduce repeats.
+    assert full_path_calls.count("iallreduce") == 1
+    assert full_path_calls.count("irecv") == 3
+    with pytest.raises(TypeError, match="op=SUM is not defined for dtype bool"):
+        comm.iallreduce(jnp.zeros(3, bool))
 
 
 def test_a_changed_signature_takes_the_full_path_and_its_checks(comm, full_path_calls):

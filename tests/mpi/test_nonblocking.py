@@ -2,6 +2,7 @@
 vmap and misuse. Their derivatives are checked with the others' in test_autodiff."""
 
 import gc
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -196,6 +197,67 @@ def test_vmap_of_a_ring_shift(comm):
     assert_values(out.T, np.stack([rank_data(left, (3,), "float32") + b for b in range(4)]))
 
 
+# -- polling ------------------------------------------------------------------------------
+
+
+def poll_until_done(mode, comm, request):
+    """comm.test until it says done: a Python loop, or inside jit a while_loop."""
+    if mode == "eager":
+        while not comm.test(request):
+            pass
+        return True
+    return jax.lax.while_loop(lambda done: ~done, lambda _: comm.test(request), comm.test(request))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_test_says_done_only_once_the_message_has_come(comm, mode):
+    """A receive posted before any rank sends is not done; polled after the sends
+    it becomes done, and the wait then gives the message and its status."""
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+
+    def shift(x):
+        received = comm.irecv(x, source=left, tag=4, return_status=True)
+        early = comm.test(received)
+        comm.barrier()  # every rank has tested before any rank sends
+        sent = comm.isend(2 * x, dest=right, tag=4)
+        done = poll_until_done(mode, comm, received)
+        comm.wait(sent)
+        return early, done, *comm.wait(received)
+
+    early, done, out, status = run(mode, shift, rank_data(comm.rank, (5,), "float32"))
+    assert not bool(early) and bool(done)
+    assert_values(out, 2 * rank_data(left, (5,), "float32"))
+    assert (int(status.source), int(status.tag)) == (left, 4)
+
+
+def test_test_changes_no_value_or_derivative(comm):
+    def f(x, poll):
+        request = comm.iallreduce(jnp.sin(x))
+        if poll:
+            comm.test(request)
+        return jnp.sum(comm.wait(request) ** 2)  # the same cotangent on every rank
+
+    polled, plain = partial(f, poll=True), partial(f, poll=False)
+    xs = inputs(comm, (4,), "float32")
+    x = xs[comm.rank]
+    assert_values(jax.jit(polled)(x), np.sum(np.sum(np.sin(xs), axis=0) ** 2))
+    for transform in (jax.grad, lambda g: jax.jit(jax.grad(g)), jax.jacfwd):
+        np.testing.assert_array_equal(transform(polled)(x), transform(plain)(x))
+    batch = jnp.stack([x, 2 * x])
+    np.testing.assert_array_equal(jax.vmap(polled)(batch), jax.vmap(plain)(batch))
+
+
+def test_test_after_the_wait_or_outside_its_trace_is_an_error(comm):
+    with pytest.raises(TypeError, match="test: expected a jaxcomm Request"):
+        comm.test(jnp.ones(2))
+    request = comm.iallreduce(jnp.ones(2))
+    with pytest.raises(ValueError, match=r"test: .*posted outside the traced function"):
+        jax.jit(lambda: comm.test(request))()
+    comm.wait(request)
+    with pytest.raises(ValueError, match=r"test: .*already been waited"):
+        comm.test(request)
+
+
 def test_result_stays_where_mpi_writes_it(comm):
     """The wait raises if XLA gave it another buffer than the one MPI writes: here
     x is also used after the start, so XLA copies x (not the result) to keep it."""
@@ -292,6 +354,8 @@ def test_module_functions(comm):
     request = jaxcomm.iallreduce(jnp.ones(2), comm=comm.mpi)
     assert_values(jaxcomm.wait(request), np.full(2, comm.size, FLOAT))
     requests = [jaxcomm.ibcast(jnp.full(2, comm.rank), root=0), jaxcomm.iallgather(jnp.ones(1))]
+    while not jaxcomm.test(requests[1]):
+        pass
     root, gathered = jaxcomm.waitall(requests)
     assert_values(root, np.zeros(2, root.dtype))
     assert gathered.shape == (comm.size, 1)
