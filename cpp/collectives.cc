@@ -219,7 +219,8 @@ ffi::Error Barrier(Token, TokenOut, int64_t comm_key, bool check) {
 }
 
 // -- non-blocking forms: `keep` is x passed through (XLA aliases it), so that x
-// stays alive and unchanged until the wait; out is never x.
+// stays alive and unchanged until the wait, and out is never x; but ibcast works
+// in place (inside jit, out is x's buffer), as MPI_Ibcast does.
 
 namespace {
 
@@ -279,8 +280,8 @@ ffi::Error IreduceScatter(Token, Buffer x, TokenOut, Result out, Result request,
   return post(request->untyped_data(), std::move(pending));
 }
 
-ffi::Error Ibcast(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
-                  int64_t comm_key, bool check, int32_t root) {
+ffi::Error Ibcast(Token, Buffer x, TokenOut, Result out, Result request, int64_t comm_key,
+                  bool check, int32_t root) {
   Call call(comm_key, check, "ibcast", x);
   auto [error, comm, type] = start(call.param("root", root), x);
   if (error.failure()) return error;

@@ -48,12 +48,13 @@ ffi::Error TaggedSendrecv(Token, Buffer x, Buffer tags, TokenOut, Result out, St
 ffi::Error Barrier(Token, TokenOut, int64_t comm, bool check);
 // Non-blocking starts (host memory only): each posts MPI's I-form and returns a
 // one-element `request` buffer for Wait (requests.h); `keep` is x passed through.
+// ibcast works in place: XLA passes x's buffer as `out`.
 ffi::Error Iallreduce(Token, Buffer x, TokenOut, Result out, Result request, Result keep,
                       int64_t comm, bool check, int32_t op);
 ffi::Error IreduceScatter(Token, Buffer x, TokenOut, Result out, Result request, Result keep,
                           int64_t comm, bool check, int32_t op);
-ffi::Error Ibcast(Token, Buffer x, TokenOut, Result out, Result request, Result keep, int64_t comm,
-                  bool check, int32_t root);
+ffi::Error Ibcast(Token, Buffer x, TokenOut, Result out, Result request, int64_t comm, bool check,
+                  int32_t root);
 ffi::Error Iallgather(Token, Buffer x, TokenOut, Result out, Result request, Result keep,
                       int64_t comm, bool check);
 ffi::Error Ialltoall(Token, Buffer x, TokenOut, Result out, Result request, Result keep,
@@ -145,14 +146,15 @@ auto one_input(Binding&& base) {
 #define JAXCOMM_ATTRIBUTE_NAME(type, name) #name,
 
 // The non-blocking starts, as JAXCOMM_OPERATIONS; the CPU backend registers them,
-// jaxcomm_wait and jaxcomm_test. A start returns its result's buffer, the request and x passed
-// through (isend has no result, irecv no x).
+// jaxcomm_wait and jaxcomm_test. A start returns its result's buffer, the request
+// and x passed through (isend has no result; irecv and ibcast no x: ibcast works
+// in x's buffer).
 #define JAXCOMM_NONBLOCKING_OPERATIONS(X, base, A)                                                 \
   X(iallreduce, Iallreduce, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)),           \
     A(int32_t, op))                                                                                \
   X(ireduce_scatter, IreduceScatter, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)),  \
     A(int32_t, op))                                                                                \
-  X(ibcast, Ibcast, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)), A(int32_t, root)) \
+  X(ibcast, Ibcast, (one_input<host::Buffer, host::Buffer>(base)), A(int32_t, root))               \
   X(iallgather, Iallgather, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)), )         \
   X(ialltoall, Ialltoall, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)), )           \
   X(isend, Isend, (one_input<host::Buffer, host::Buffer>(base)), A(int32_t, dest) A(int32_t, tag)) \

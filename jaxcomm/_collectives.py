@@ -33,11 +33,12 @@ def _scatter_shape(x, *, comm: CommInfo, root: int):
     return [core.ShapedArray(x.shape[1:] if comm.rank == root else x.shape, x.dtype)]
 
 
-bcast_p = comm_primitive("bcast", same_shape, aliases=in_place)
+bcast_p = comm_primitive("bcast", same_shape, aliases=in_place, elementwise=True)
 gather_p = comm_primitive("gather", _gather_shape)
 allgather_p = comm_primitive("allgather", _stacked)
+# Only the root's x has a row per rank: JaxComm.scatter checks it there.
 scatter_p = comm_primitive("scatter", _scatter_shape)
-alltoall_p = comm_primitive("alltoall", same_shape, aliases=in_place)
+alltoall_p = comm_primitive("alltoall", same_shape, aliases=in_place, leading_axis="x")
 
 
 def bcast(x, *, comm: CommInfo, root: int):

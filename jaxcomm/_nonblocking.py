@@ -64,13 +64,25 @@ class Kind(NamedTuple):
     """Which buffers an operation's start returns and its wait takes."""
 
     pending: bool  # a result that MPI writes
-    keep: bool  # data that MPI reads
+    keep: bool  # data that MPI reads, apart from `pending`
     status: bool  # the wait also returns (source, tag)
+    in_place: bool = False  # pending is x's buffer, which MPI reads and writes
 
 
 COLLECTIVE = Kind(pending=True, keep=True, status=False)
+IN_PLACE = Kind(pending=True, keep=False, status=False, in_place=True)
 SEND = Kind(pending=False, keep=True, status=False)
 RECEIVE = Kind(pending=True, keep=False, status=True)
+
+
+def _aliases(kind: Kind) -> dict[int, int] | None:
+    """Which output x's buffer becomes: keep (XLA keeps the data MPI reads alive
+    and unchanged until the wait), or pending. A receive's template is not
+    aliased: XLA would copy a template used afterwards, whose values MPI never
+    reads."""
+    if kind.keep:
+        return {0: 2 if kind.pending else 1}
+    return {0: 0} if kind.in_place else None
 
 
 class Nonblocking(NamedTuple):
@@ -89,14 +101,14 @@ def _declare(blocking: CommPrimitive, kind: Kind, batch_in=0, batch_out=0) -> No
         results = blocking.result_types(x, **params)[:1] if kind.pending else []
         return [*results, REQUEST, *([x] if kind.keep else [])]
 
-    keep_index = 2 if kind.pending else 1
     name = "i" + blocking.op_name
+    aliases = _aliases(kind)
     start = comm_primitive(
         name,
         abstract_eval,
-        # irecv's template may become its result, as recv's does.
-        aliases=lambda *_, **__: {0: keep_index} if kind.keep else {0: 0},
+        aliases=lambda *_, **__: aliases,
         before_lowering=partial(_refuse_abandoned, name),
+        leading_axis=blocking.leading_axis,
     )
     return Nonblocking(start, kind, batch_in, batch_out)
 
@@ -122,7 +134,7 @@ OPERATIONS: dict[str, Nonblocking] = {
     for op in [
         _declare(_reductions.allreduce_p, COLLECTIVE),
         _declare(_reductions.reduce_scatter_p, COLLECTIVE, batch_in=1),
-        _declare(_collectives.bcast_p, COLLECTIVE),
+        _declare(_collectives.bcast_p, IN_PLACE),
         _declare(_collectives.allgather_p, COLLECTIVE, batch_out=1),
         _declare(_collectives.alltoall_p, COLLECTIVE, batch_in=1, batch_out=1),
         _declare(_p2p.send_p, SEND),
@@ -511,8 +523,12 @@ def _wait_transpose(cts, *operands, operation, comm, params):
     request_ct, keep_ct, pending_ct = _split_wait_operands(kind, zero)
     if not _linear(operation, params):
         raise NotImplementedError(f"{operation}: op={params['op'].name} is not linear")
-    if adjoint.local is not None:
-        keep_ct = adjoint.local(ct, comm=comm, **params)
+    if adjoint.local is not None:  # to the start's transpose, through keep or pending
+        local = adjoint.local(ct, comm=comm, **params)
+        if kind.keep:
+            keep_ct = local
+        else:
+            pending_ct = local
     else:
         target = OPERATIONS[adjoint.operation]
         source = ct
@@ -550,7 +566,7 @@ def _start_transpose(operation):
         request_ct = cts.pop(0)
         keep_ct = cts.pop(0) if op.kind.keep else None
         if adjoint.local is not None:
-            return [instantiate(keep_ct)]
+            return [instantiate(keep_ct if op.kind.keep else pending_ct)]
         target = adjoint.operation
         a_kind = OPERATIONS[target].kind
         a_params = adjoint.params(**params)

@@ -18,7 +18,7 @@ import numpy as np
 from jax import core
 from mpi4py import MPI
 
-from jaxcomm._primitive import CommInfo, comm_primitive, in_place
+from jaxcomm._primitive import CommInfo, comm_primitive
 from jaxcomm._rules import define_rules, differentiable, instantiate, move_batch, zero_tangent
 
 STATUS = core.ShapedArray((2,), np.int32)
@@ -33,9 +33,11 @@ def _sendrecv_shape(x, *, shape, dtype, **_):
 
 
 send_p = comm_primitive("send", lambda *_, **__: [])
-# recv's operand is its template: only its shape and dtype are used (and its
-# buffer, when XLA can reuse it). Being an operand lets a tangent reach recv.
-recv_p = comm_primitive("recv", _recv_shape, aliases=in_place)
+# recv's operand is its template: only its shape and dtype are used. Being an
+# operand lets a tangent reach recv. Not aliased with the result: XLA would copy
+# a template that is used afterwards (often the array itself) into the result's
+# buffer, a copy of data that is never read.
+recv_p = comm_primitive("recv", _recv_shape)
 # sendrecv never runs in place: receiving over the data being sent needs a
 # message-sized buffer anyway (MPI_Sendrecv_replace allocates one), so aliasing
 # would save no memory and cost a copy even where XLA could keep both arrays.

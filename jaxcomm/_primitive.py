@@ -61,10 +61,18 @@ class CommPrimitive(Primitive):
 
     multiple_results = True
 
-    def __init__(self, name: str, abstract_eval: AbstractEval):
+    def __init__(
+        self,
+        name: str,
+        abstract_eval: AbstractEval,
+        elementwise: bool = False,
+        leading_axis: str | None = None,
+    ):
         super().__init__(f"jaxcomm_{name}")
         self.op_name = name
         self.result_types = abstract_eval  # not abstract_eval: Primitive has its own
+        self.elementwise = elementwise
+        self.leading_axis = leading_axis
         # The params passed to the FFI handler after the communicator and checking
         # flag, by name inside jit and in this order eagerly: the C++ table's.
         self.attrs: tuple[str, ...] = _ATTRIBUTES[name]
@@ -78,7 +86,9 @@ def comm_primitive(
     *,
     aliases: Callable[..., dict[int, int] | None] | None = None,
     before_lowering: Callable[..., None] | None = None,
-) -> Primitive:
+    elementwise: bool = False,
+    leading_axis: str | None = None,
+) -> CommPrimitive:
     """Define the primitive for operation `name`.
 
     `name` is an operation of cpp/ops.h, whose attributes (ints as int32, strings
@@ -86,12 +96,17 @@ def comm_primitive(
     abstract_eval(*avals, comm, **params) returns the output avals.
     `aliases(*avals, **params)` says which outputs may reuse which inputs.
     `before_lowering(**params)` may refuse to lower a call.
+    `elementwise`: each element of the result depends only on the same element of
+    x on every rank, so the small arrays of a pytree may travel as one message.
+    `leading_axis`: what must have a leading axis of length size (its name in the
+    error), if anything.
     """
     if name not in _ATTRIBUTES:
         raise ValueError(f"no operation {name!r} in the C++ table (cpp/ops.h)")
     if name in PRIMITIVES:
         raise ValueError(f"operation {name!r} is declared twice")
-    primitive = PRIMITIVES[name] = CommPrimitive(name, abstract_eval)
+    primitive = CommPrimitive(name, abstract_eval, elementwise, leading_axis)
+    PRIMITIVES[name] = primitive
     primitive.def_effectful_abstract_eval(
         lambda *avals, **params: (abstract_eval(*avals, **params), {COMM_EFFECT})
     )

@@ -34,11 +34,11 @@ def _row(x, **_):
     return [core.ShapedArray(x.shape[1:], x.dtype)]
 
 
-allreduce_p = comm_primitive("allreduce", same_shape, aliases=in_place)
-reduce_p = comm_primitive("reduce", same_shape, aliases=in_place)
-scan_p = comm_primitive("scan", same_shape, aliases=in_place)
-exscan_p = comm_primitive("exscan", same_shape, aliases=in_place)
-reduce_scatter_p = comm_primitive("reduce_scatter", _row)
+allreduce_p = comm_primitive("allreduce", same_shape, aliases=in_place, elementwise=True)
+reduce_p = comm_primitive("reduce", same_shape, aliases=in_place, elementwise=True)
+scan_p = comm_primitive("scan", same_shape, aliases=in_place, elementwise=True)
+exscan_p = comm_primitive("exscan", same_shape, aliases=in_place, elementwise=True)
+reduce_scatter_p = comm_primitive("reduce_scatter", _row, leading_axis="x")
 
 
 def allreduce(x, *, comm: CommInfo, op: ReduceOp):

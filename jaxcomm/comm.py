@@ -28,7 +28,7 @@ from jaxcomm._fusion import PerLeaf
 from jaxcomm._jax_internals import ArrayImpl
 from jaxcomm._nonblocking import Request
 from jaxcomm._ops import ReduceOp, as_reduce_op, check_dtype, check_reduction
-from jaxcomm._primitive import CommInfo
+from jaxcomm._primitive import CommInfo, CommPrimitive
 
 PyTree = Any
 Self = TypeVar("Self", bound="JaxComm")
@@ -242,49 +242,45 @@ class JaxComm:
             )
 
     def _apply(
-        self,
-        operation: str,
-        primitive,
-        x: PyTree,
-        *,
-        leading_axis: str | None = None,
-        elementwise: bool = False,
-        **params,
+        self, primitive: CommPrimitive, x: PyTree, *, leading_axis: str | None = None, **params
     ) -> tuple[PyTree, Sequence[Any]]:
         """Check x's leaves and apply `primitive`, an op on one array, to each of
         them (small leaves together, when the op is element-wise). `leading_axis`
-        names the leaves that must have a leading axis of length size. Returns the
-        results in x's structure, and the other results of the last message (a
-        receive's status)."""
+        (else the primitive's own) names the leaves that must have a leading axis
+        of length size. Returns the results in x's structure, and the other results
+        of the last message (a receive's status)."""
         comm, items = self._comm, tuple(params.items())
         again = _eager.again(primitive.eager, x, comm, items)
         if again is not None:  # an earlier call like this one passed the checks below
             return again
+        operation = primitive.op_name
         leaves, tree = self._leaves(operation, x, params.get("op"))
+        leading_axis = leading_axis or primitive.leading_axis
         if leading_axis is not None:
             for leaf in leaves:
                 self._leading_axis(operation, leaf, leading_axis)
         if len(leaves) > 1 and params.get("source") == MPI.ANY_SOURCE:
             raise ValueError(f"{operation}: a pytree with several arrays needs an explicit source")
-        results, rest = _dispatch.apply(primitive, leaves, comm, items, elementwise)
-        _eager.remember(primitive.eager, x, comm, items, elementwise)
+        fuse = primitive.elementwise
+        results, rest = _dispatch.apply(primitive, leaves, comm, items, fuse)
+        _eager.remember(primitive.eager, x, comm, items, fuse)
         return tree.unflatten(results), rest
 
     # -- reductions ---------------------------------------------------------------
     def allreduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Element-wise reduction over all ranks, on every rank. Same shapes as x."""
         op = as_reduce_op(op)
-        return self._apply("allreduce", _reductions.allreduce_p, x, elementwise=True, op=op)[0]
+        return self._apply(_reductions.allreduce_p, x, op=op)[0]
 
     def reduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM, root: int = 0) -> PyTree:
         """The reduction on root; other ranks get x back unchanged. Same shapes as x."""
         root = self._rank("reduce", "root", root)
         op = as_reduce_op(op)
-        return self._apply("reduce", _reductions.reduce_p, x, elementwise=True, op=op, root=root)[0]
+        return self._apply(_reductions.reduce_p, x, op=op, root=root)[0]
 
     def scan(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Inclusive prefix reduction: rank r gets op(x_0, ..., x_r). Same shapes as x."""
-        return self._apply("scan", _reductions.scan_p, x, elementwise=True, op=as_reduce_op(op))[0]
+        return self._apply(_reductions.scan_p, x, op=as_reduce_op(op))[0]
 
     def exscan(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Exclusive prefix reduction: rank r gets op(x_0, ..., x_{r-1}).
@@ -293,29 +289,26 @@ class JaxComm:
         value for MAX, ...) where MPI would leave it undefined. Same shapes as x.
         """
         op = as_reduce_op(op)
-        return self._apply("exscan", _reductions.exscan_p, x, elementwise=True, op=op)[0]
+        return self._apply(_reductions.exscan_p, x, op=op)[0]
 
     def reduce_scatter(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """x: ``(size, *s)`` on every rank; rank r gets row r of the reduction, shape s."""
-        op = as_reduce_op(op)
-        return self._apply(
-            "reduce_scatter", _reductions.reduce_scatter_p, x, leading_axis="x", op=op
-        )[0]
+        return self._apply(_reductions.reduce_scatter_p, x, op=as_reduce_op(op))[0]
 
     # -- data movement --------------------------------------------------------------
     def bcast(self, x: PyTree, root: int = 0) -> PyTree:
         """Root's x on every rank. Non-root ranks pass an array of the same shape."""
         root = self._rank("bcast", "root", root)
-        return self._apply("bcast", _collectives.bcast_p, x, elementwise=True, root=root)[0]
+        return self._apply(_collectives.bcast_p, x, root=root)[0]
 
     def gather(self, x: PyTree, root: int = 0) -> PyTree:
         """On root, ``(size, *x.shape)`` with rank i's x in row i; other ranks get x back."""
         root = self._rank("gather", "root", root)
-        return self._apply("gather", _collectives.gather_p, x, root=root)[0]
+        return self._apply(_collectives.gather_p, x, root=root)[0]
 
     def allgather(self, x: PyTree) -> PyTree:
         """``(size, *x.shape)`` on every rank, with rank i's x in row i."""
-        return self._apply("allgather", _collectives.allgather_p, x)[0]
+        return self._apply(_collectives.allgather_p, x)[0]
 
     def scatter(self, x: PyTree, root: int = 0) -> PyTree:
         """Root passes ``(size, *s)``; every rank gets its row, shape s.
@@ -324,19 +317,17 @@ class JaxComm:
         """
         root = self._rank("scatter", "root", root)
         leading_axis = "x on the root rank" if self.rank == root else None
-        return self._apply(
-            "scatter", _collectives.scatter_p, x, leading_axis=leading_axis, root=root
-        )[0]
+        return self._apply(_collectives.scatter_p, x, leading_axis=leading_axis, root=root)[0]
 
     def alltoall(self, x: PyTree) -> PyTree:
         """x: ``(size, *s)``. Row i of the result is rank i's row `rank`."""
-        return self._apply("alltoall", _collectives.alltoall_p, x, leading_axis="x")[0]
+        return self._apply(_collectives.alltoall_p, x)[0]
 
     # -- point to point -----------------------------------------------------------------
     def send(self: Self, x: PyTree, dest: int, tag: int = 0) -> Self:
         """Send x to rank dest (blocking until MPI may reuse the buffer). Returns self."""
         dest = self._rank("send", "dest", dest, MPI.PROC_NULL)
-        self._apply("send", _p2p.send_p, x, dest=dest, tag=self._tag("send", "tag", tag))
+        self._apply(_p2p.send_p, x, dest=dest, tag=self._tag("send", "tag", tag))
         return self
 
     def recv(
@@ -354,7 +345,7 @@ class JaxComm:
         """
         source = self._rank("recv", "source", source, MPI.ANY_SOURCE, MPI.PROC_NULL)
         tag = self._tag("recv", "tag", tag, MPI.ANY_TAG)
-        result, rest = self._apply("recv", _p2p.recv_p, x, source=source, tag=tag)
+        result, rest = self._apply(_p2p.recv_p, x, source=source, tag=tag)
         return _received(result, rest, source, tag) if return_status else result
 
     def sendrecv(
@@ -379,7 +370,6 @@ class JaxComm:
         recvtag = self._tag("sendrecv", "recvtag", recvtag, MPI.ANY_TAG)
         shape, dtype = self._templates(sendbuf, recvbuf)
         result, rest = self._apply(
-            "sendrecv",
             _p2p.sendrecv_p,
             sendbuf,
             shape=shape,
@@ -408,19 +398,14 @@ class JaxComm:
 
     # -- non-blocking -----------------------------------------------------------------
     def _post(
-        self,
-        operation: str,
-        x: PyTree,
-        *,
-        leading_axis: str | None = None,
-        return_status: bool = False,
-        **params: Any,
+        self, operation: str, x: PyTree, *, return_status: bool = False, **params: Any
     ) -> Request:
         comm, items = self._comm, tuple(params.items())
         request = _nonblocking.again(operation, x, comm, items, return_status)
         if request is not None:  # an earlier post like this one passed the checks below
             return request
         leaves, tree = self._leaves(operation, x, params.get("op"))
+        leading_axis = _nonblocking.OPERATIONS[operation].start.leading_axis
         for leaf in leaves:
             if leading_axis is not None:
                 self._leading_axis(operation, leaf, leading_axis)
@@ -443,7 +428,7 @@ class JaxComm:
 
     def ireduce_scatter(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> Request:
         """Post reduce_scatter (x: ``(size, *s)``); ``wait`` returns row `rank`, shape s."""
-        return self._post("ireduce_scatter", x, leading_axis="x", op=as_reduce_op(op))
+        return self._post("ireduce_scatter", x, op=as_reduce_op(op))
 
     def ibcast(self, x: PyTree, root: int = 0) -> Request:
         """Post bcast; ``wait`` returns root's x."""
@@ -455,7 +440,7 @@ class JaxComm:
 
     def ialltoall(self, x: PyTree) -> Request:
         """Post alltoall (x: ``(size, *s)``); ``wait`` returns ``(size, *s)``."""
-        return self._post("ialltoall", x, leading_axis="x")
+        return self._post("ialltoall", x)
 
     def isend(self, x: PyTree, dest: int, tag: int = 0) -> Request:
         """Post a send of x to dest; ``wait`` returns None. x is not copied: MPI reads
