@@ -113,13 +113,20 @@ class EagerOp:
         self._attr_names = tuple(attr_names)
 
     def __call__(
-        self, args: Sequence[jax.Array], comm: Any, wrapped: int | None = None, **params: Any
+        self,
+        args: Sequence[Any],
+        comm: Any,
+        wrapped: int | None = None,
+        like: jax.Array | None = None,
+        **params: Any,
     ) -> list[Any]:
         """The operation's results, as new arrays (never aliased with `args`): its
-        first `wrapped` (default: all) as jax.Arrays, the rest as NumPy arrays."""
+        first `wrapped` (default: all) as jax.Arrays on the device of `like`
+        (default: the first arg, a jax.Array), the rest as NumPy arrays."""
         in_types = tuple((a.shape, a.dtype) for a in args)
         # Every operation with results has an input; the others never use `device`.
-        device = _device(args[0].sharding) if args else None
+        like = args[0] if like is None and args else like
+        device = _device(like.sharding) if like is not None else None
         return _prepared(self, in_types, comm, tuple(params.items()), device, wrapped)(*args)
 
     def prepare(self, in_types, comm, params, device, wrapped=None) -> cpu.EagerCall:

@@ -2,7 +2,8 @@
 that completes it.
 
 Each non-blocking operation is derived from its blocking twin (same checks, same
-result shapes, same FFI attributes) and is a pair of primitives:
+result shapes, same FFI attributes, the same messages for a pytree's small
+leaves) and is a pair of primitives:
 
 - ``jaxcomm_i<name>``: x -> (pending, request, keep). `pending` is the buffer MPI
   writes the result into; `request` is a one-element buffer whose address names
@@ -41,7 +42,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 from mpi4py import MPI
 
-from jaxcomm import _collectives, _eager, _p2p, _reductions, _replicated
+from jaxcomm import _collectives, _eager, _fusion, _p2p, _reductions, _replicated
 from jaxcomm._fusion import Params
 from jaxcomm._jax_internals import COMM_EFFECT, ArrayImpl, at_top_level, lower_with_token
 from jaxcomm._native import PLATFORMS, cpu
@@ -108,6 +109,7 @@ def _declare(blocking: CommPrimitive, kind: Kind, batch_in=0, batch_out=0) -> No
         abstract_eval,
         aliases=lambda *_, **__: aliases,
         before_lowering=partial(_refuse_abandoned, name),
+        elementwise=blocking.elementwise,
         leading_axis=blocking.leading_axis,
     )
     return Nonblocking(start, kind, batch_in, batch_out)
@@ -246,12 +248,32 @@ class Request:
     through a loop.
     """
 
-    def __init__(self, operation, comm, params, parts, tree, return_status=False, posted=()):
+    # Eager code makes one per post: slots make that cheaper.
+    __slots__ = (
+        "_at_top_level",
+        "_comm",
+        "_leaves",
+        "_messages",
+        "_params",
+        "_parts",
+        "_posted",
+        "_return_status",
+        "_traced",
+        "_tree",
+        "operation",
+        "waited",
+    )
+
+    def __init__(
+        self, operation, comm, params, messages, parts, leaves, tree, return_status=False, posted=()
+    ):
         self.operation = operation
         self._posted = posted
         self._comm = comm
         self._params = params
-        self._parts = parts  # per leaf: (pending, request, keep), None where absent
+        self._messages = messages  # the leaves each MPI request carries (_fusion)
+        self._parts = parts  # per message: (pending, request, keep), None where absent
+        self._leaves = leaves
         self._tree = tree
         self._return_status = return_status
         self._traced = any(
@@ -311,12 +333,18 @@ class Request:
         self._check_usable("wait")
         self.waited = True
         waits = _wait_traced if self._traced else _wait_now
-        results, status = [], None
-        for part in self._parts:
+        results, status = [None] * len(self._leaves), None
+        for message, part in zip(self._messages, self._parts, strict=True):
             out = waits(self.operation, self._comm, self._params, *part)
-            if out:
-                results.append(out[0])
-                status = out[1] if len(out) > 1 else status
+            if not out:
+                continue
+            if len(out) > 1:
+                status = out[1]
+            if not message.fused:
+                results[message.members[0]] = self._array(message.members[0], out[0])
+                continue
+            for i, piece in zip(message.members, message.unpack(out[0]), strict=True):
+                results[i] = self._array(i, piece)
         if not OPERATIONS[self.operation].kind.pending:
             return None, None
         result = self._tree.unflatten(results)
@@ -325,6 +353,11 @@ class Request:
         if status is None:  # an empty pytree: nothing arrived
             status = jnp.array([self._params["source"], self._params["tag"]], np.int32)
         return result, status
+
+    def _array(self, i: int, value: Any) -> Any:
+        # MPI wrote NumPy results on the direct path: each becomes a jax.Array on
+        # its leaf's device.
+        return _eager.as_array(value, self._leaves[i]) if isinstance(value, np.ndarray) else value
 
 
 def _wait_traced(operation, comm, params, pending, request, keep):
@@ -340,8 +373,6 @@ def _wait_now(operation, comm, params, pending, request, keep):
         raise jax.errors.JaxRuntimeError(f"{code}: {message}")
     if pending is None:
         return []
-    if isinstance(pending, np.ndarray):  # the direct path: keep is the posted leaf
-        pending = _eager.as_array(pending, keep)
     if not OPERATIONS[operation].kind.status:
         return [pending]
     return [pending, np.array([source, tag], np.int32)]
@@ -360,22 +391,29 @@ def _part(kind: Kind, outputs: Sequence[Any], leaf: Any, direct: bool) -> tuple:
 def start(
     operation: str, leaves: Sequence[Any], tree, *, comm: CommInfo, return_status=False, **params
 ) -> Request:
-    """Post `operation` on each leaf; returns the Request that waits for them all."""
+    """Post `operation` on the leaves, small ones of one dtype together where it is
+    element-wise (as the blocking form sends them); returns the Request that waits
+    for them all."""
     op = OPERATIONS[operation]
+    plan = _fusion.messages([(leaf.shape, leaf.dtype) for leaf in leaves], op.start.elementwise)
     parts, posted = [], []
-    for leaf in leaves:
-        direct = _eager.can_run([leaf])
+    for message in plan:
+        members = [leaves[i] for i in message.members]
+        direct = _eager.can_run(members)
+        data = message.pack(leaves, np if direct else jnp) if message.fused else members[0]
         if direct:  # NumPy results, which MPI writes until the wait
-            outputs = op.start.eager([leaf], comm, wrapped=0, **params)
+            outputs = op.start.eager([data], comm, wrapped=0, like=members[0], **params)
         else:
             number = 0 if at_top_level() else next(_posted)
             posted.append(number)
-            outputs = op.start.bind(leaf, comm=comm, posted=number, **params)
-        parts.append(_part(op.kind, outputs, leaf, direct))
-    return Request(operation, comm, params, parts, tree, return_status, tuple(posted))
+            outputs = op.start.bind(data, comm=comm, posted=number, **params)
+        parts.append(_part(op.kind, outputs, data, direct))
+    return Request(operation, comm, params, plan, parts, leaves, tree, return_status, tuple(posted))
 
 
 _ONE_ARRAY = jax.tree.structure(0)
+# The plan of one array: it travels alone (only a lone message's members are read).
+_ALONE = [_fusion.Message(members=(0,), shapes=((),), spans=((0, 1),))]
 
 
 def again(operation: str, x: Any, comm: CommInfo, params: Params, return_status: bool):
@@ -390,7 +428,7 @@ def again(operation: str, x: Any, comm: CommInfo, params: Params, return_status:
         return None
     first, rest = found
     part = _part(op.kind, [first, *rest], x, direct=True)
-    return Request(operation, comm, dict(params), [part], _ONE_ARRAY, return_status)
+    return Request(operation, comm, dict(params), _ALONE, [part], [x], _ONE_ARRAY, return_status)
 
 
 def remember(operation: str, x: Any, comm: CommInfo, params: Params) -> None:

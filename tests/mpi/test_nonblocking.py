@@ -134,6 +134,32 @@ def test_pytrees_and_waitall(comm):
     assert_values(root["a"], np.zeros(3, FLOAT))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_small_leaves_of_a_pytree_travel_as_one_message(comm, mode):
+    """As allreduce and bcast send them: the float32 leaves a and b together, n
+    (int32) and big (128 KiB) alone."""
+    r = comm.rank
+    tree = {
+        "a": jnp.arange(3.0) + r,
+        "b": jnp.full((2, 2), 2.0 * r),
+        "big": jnp.full(1 << 15, 3.0 * r),
+        "n": jnp.arange(4) + r,
+    }
+    both = lambda t: comm.waitall([comm.iallreduce(t), comm.ibcast(t, root=0)])  # noqa: E731
+    before = jaxcomm._native.cpu.call_count()
+    total, root = run(mode, both, tree)
+    assert jaxcomm._native.cpu.call_count() - before == 2 * 3 * 2  # 3 starts and waits each
+    ranks = sum(range(comm.size))
+    assert_values(total["a"], comm.size * np.arange(3, dtype=FLOAT) + ranks)
+    assert_values(total["b"], np.full((2, 2), 2.0 * ranks, FLOAT))
+    assert_values(total["big"], np.full(1 << 15, 3.0 * ranks, FLOAT))
+    assert_values(total["n"], comm.size * np.arange(4, dtype=total["n"].dtype) + ranks)
+    assert_values(root["a"], np.arange(3, dtype=FLOAT))  # rank 0's leaves
+    assert_values(root["b"], np.zeros((2, 2), FLOAT))
+    assert_values(root["big"], np.zeros(1 << 15, FLOAT))
+    assert_values(root["n"], np.arange(4, dtype=root["n"].dtype))
+
+
 def test_overlapping_computation_in_a_loop(comm):
     """Post, compute what does not depend on the message, wait: in every iteration."""
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
