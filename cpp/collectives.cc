@@ -159,22 +159,6 @@ ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool c
   return ffi::Error::Success();
 }
 
-ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
-                  int32_t root) {
-  Call call(comm_key, check, "gather", x);
-  auto [error, comm, type] = start(call.param("root", root), x);
-  if (error.failure()) return error;
-  Block block(x.element_count(), type);
-  const bool is_root = comm_rank(comm) == root;
-  // Non-root ranks get their input back, so the output is always written.
-  if (!is_root) copy_if_distinct(out, x);
-  JAXCOMM_CHECK_MPI(
-      MPI_Gather(x.untyped_data(), block.count(), block.type(),
-                 is_root ? out->untyped_data() : nullptr, block.count(), block.type(), root, comm),
-      "gather", comm);
-  return ffi::Error::Success();
-}
-
 ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check) {
   Call call(comm_key, check, "allgather", x);
   auto [error, comm, type] = start(call, x);
@@ -186,17 +170,39 @@ ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bo
   return ffi::Error::Success();
 }
 
-ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
-                   int32_t root) {
-  Call call(comm_key, check, "scatter", *out);
+namespace {
+
+// gather and scatter: a block per rank between the root's rows and each rank's
+// own block (MPI's functions share a signature).
+template <bool kGather>
+ffi::Error rooted_blocks(const Buffer& x, Result& out, int64_t comm_key, bool check, int32_t root) {
+  constexpr std::string_view name = kGather ? "gather" : "scatter";
+  const Buffer& own = kGather ? x : *out;  // this rank's block
+  Call call(comm_key, check, name, own);
   auto [error, comm, type] = start(call.param("root", root), x);
   if (error.failure()) return error;
-  Block block(out->element_count(), type);
+  Block block(own.element_count(), type);
   const bool is_root = comm_rank(comm) == root;
-  JAXCOMM_CHECK_MPI(MPI_Scatter(is_root ? x.untyped_data() : nullptr, block.count(), block.type(),
-                                out->untyped_data(), block.count(), block.type(), root, comm),
-                    "scatter", comm);
+  // gather's non-root ranks get their input back, so the output is always written.
+  if (kGather && !is_root) copy_if_distinct(out, x);
+  auto* exchange = kGather ? &MPI_Gather : &MPI_Scatter;
+  JAXCOMM_CHECK_MPI(exchange(kGather || is_root ? x.untyped_data() : nullptr, block.count(),
+                             block.type(), kGather && !is_root ? nullptr : out->untyped_data(),
+                             block.count(), block.type(), root, comm),
+                    name, comm);
   return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
+                  int32_t root) {
+  return rooted_blocks<true>(x, out, comm_key, check, root);
+}
+
+ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
+                   int32_t root) {
+  return rooted_blocks<false>(x, out, comm_key, check, root);
 }
 
 ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check) {

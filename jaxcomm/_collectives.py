@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from jax import core
 
+from jaxcomm._params import ROOT
 from jaxcomm._primitive import CommInfo, comm_primitive, in_place, same_shape
 from jaxcomm._replicated import pvary, replicated_cotangent
 from jaxcomm._rules import (
@@ -33,11 +34,16 @@ def _scatter_shape(x, *, comm: CommInfo, root: int):
     return [core.ShapedArray(x.shape[1:] if comm.rank == root else x.shape, x.dtype)]
 
 
-bcast_p = comm_primitive("bcast", same_shape, aliases=in_place, elementwise=True)
-gather_p = comm_primitive("gather", _gather_shape)
+def _scatter_rows(comm: CommInfo, *, root: int) -> str | None:
+    # Only the root's x has a row per rank; the others pass a template.
+    return "x on the root rank" if comm.rank == root else None
+
+
+_ROOT = {"root": ROOT}
+bcast_p = comm_primitive("bcast", same_shape, aliases=in_place, params=_ROOT, elementwise=True)
+gather_p = comm_primitive("gather", _gather_shape, params=_ROOT)
 allgather_p = comm_primitive("allgather", _stacked)
-# Only the root's x has a row per rank: JaxComm.scatter checks it there.
-scatter_p = comm_primitive("scatter", _scatter_shape)
+scatter_p = comm_primitive("scatter", _scatter_shape, params=_ROOT, leading_axis=_scatter_rows)
 alltoall_p = comm_primitive("alltoall", same_shape, aliases=in_place, leading_axis="x")
 
 

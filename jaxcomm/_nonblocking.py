@@ -109,6 +109,7 @@ def _declare(blocking: CommPrimitive, kind: Kind, batch_in=0, batch_out=0) -> No
         abstract_eval,
         aliases=lambda *_, **__: aliases,
         before_lowering=partial(_refuse_abandoned, name),
+        params=blocking.params,
         elementwise=blocking.elementwise,
         leading_axis=blocking.leading_axis,
     )
@@ -265,7 +266,18 @@ class Request:
     )
 
     def __init__(
-        self, operation, comm, params, messages, parts, leaves, tree, return_status=False, posted=()
+        self,
+        operation,
+        comm,
+        params,
+        messages,
+        parts,
+        leaves,
+        tree,
+        return_status=False,
+        posted=(),
+        *,
+        now=False,
     ):
         self.operation = operation
         self._posted = posted
@@ -276,11 +288,12 @@ class Request:
         self._leaves = leaves
         self._tree = tree
         self._return_status = return_status
-        self._traced = any(
+        # `now`: posted outside any trace, on concrete arrays (the shortcut's case).
+        self._traced = not now and any(
             isinstance(value, core.Tracer) for part in parts for value in part if value is not None
         )
         # Eager AD posts an operation on constants (no tangent) without tracing it.
-        self._at_top_level = at_top_level()
+        self._at_top_level = now or at_top_level()
         self.waited = False
 
     def __repr__(self) -> str:
@@ -428,7 +441,9 @@ def again(operation: str, x: Any, comm: CommInfo, params: Params, return_status:
         return None
     first, rest = found
     part = _part(op.kind, [first, *rest], x, direct=True)
-    return Request(operation, comm, dict(params), _ALONE, [part], [x], _ONE_ARRAY, return_status)
+    return Request(
+        operation, comm, dict(params), _ALONE, [part], [x], _ONE_ARRAY, return_status, now=True
+    )
 
 
 def remember(operation: str, x: Any, comm: CommInfo, params: Params) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 from jax import core
 from mpi4py import MPI
 
+from jaxcomm._params import DEST, RECEIVED_TAG, SOURCE, TAG
 from jaxcomm._primitive import CommInfo, comm_primitive
 from jaxcomm._rules import define_rules, differentiable, instantiate, move_batch, zero_tangent
 
@@ -32,16 +33,20 @@ def _sendrecv_shape(x, *, shape, dtype, **_):
     return [core.ShapedArray(shape, dtype), STATUS]
 
 
-send_p = comm_primitive("send", lambda *_, **__: [])
+send_p = comm_primitive("send", lambda *_, **__: [], params={"dest": DEST, "tag": TAG})
 # recv's operand is its template: only its shape and dtype are used. Being an
 # operand lets a tangent reach recv. Not aliased with the result: XLA would copy
 # a template that is used afterwards (often the array itself) into the result's
 # buffer, a copy of data that is never read.
-recv_p = comm_primitive("recv", _recv_shape)
+recv_p = comm_primitive("recv", _recv_shape, params={"source": SOURCE, "tag": RECEIVED_TAG})
 # sendrecv never runs in place: receiving over the data being sent needs a
 # message-sized buffer anyway (MPI_Sendrecv_replace allocates one), so aliasing
 # would save no memory and cost a copy even where XLA could keep both arrays.
-sendrecv_p = comm_primitive("sendrecv", _sendrecv_shape)
+sendrecv_p = comm_primitive(
+    "sendrecv",
+    _sendrecv_shape,
+    params={"source": SOURCE, "dest": DEST, "sendtag": TAG, "recvtag": RECEIVED_TAG},
+)
 barrier_p = comm_primitive("barrier", lambda **_: [])
 
 

@@ -11,7 +11,7 @@ rules with jaxcomm._rules.define_rules.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -23,6 +23,7 @@ from jax.interpreters import mlir
 from jaxcomm import _eager
 from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
 from jaxcomm._native import PLATFORMS, cpu
+from jaxcomm._params import Check
 
 
 class CommInfo(NamedTuple):
@@ -36,6 +37,9 @@ class CommInfo(NamedTuple):
 
 
 AbstractEval = Callable[..., Sequence[Any]]
+# What must have a leading axis of length size (its name in the error), if
+# anything; or a function of (comm, **params) that says so.
+LeadingAxis = str | Callable[..., str | None] | None
 
 # Each C++ operation's own attributes, from its one declaration (cpp/ops.h).
 _ATTRIBUTES: dict[str, tuple[str, ...]] = {
@@ -65,12 +69,14 @@ class CommPrimitive(Primitive):
         self,
         name: str,
         abstract_eval: AbstractEval,
-        elementwise: bool = False,
-        leading_axis: str | None = None,
+        params: Mapping[str, Check],
+        elementwise: bool,
+        leading_axis: LeadingAxis,
     ):
         super().__init__(f"jaxcomm_{name}")
         self.op_name = name
         self.result_types = abstract_eval  # not abstract_eval: Primitive has its own
+        self.params = dict(params)
         self.elementwise = elementwise
         self.leading_axis = leading_axis
         # The params passed to the FFI handler after the communicator and checking
@@ -79,6 +85,19 @@ class CommPrimitive(Primitive):
         self.eager = _eager.EagerOp(name, abstract_eval, self.attrs)
         self.def_impl(partial(apply_primitive, self))
 
+    def check(self, params: dict[str, Any], comm: CommInfo) -> None:
+        """Check a caller's `params` as declared, in place: each becomes the value
+        to use, or raises."""
+        for name, check in self.params.items():
+            if name in params:
+                params[name] = check(self.op_name, name, params[name], comm.size)
+
+    def leading_axis_of(self, comm: CommInfo, params: dict[str, Any]) -> str | None:
+        """What must have a leading axis of length size in this call, if anything."""
+        if callable(self.leading_axis):
+            return self.leading_axis(comm, **params)
+        return self.leading_axis
+
 
 def comm_primitive(
     name: str,
@@ -86,8 +105,9 @@ def comm_primitive(
     *,
     aliases: Callable[..., dict[int, int] | None] | None = None,
     before_lowering: Callable[..., None] | None = None,
+    params: Mapping[str, Check] | None = None,
     elementwise: bool = False,
-    leading_axis: str | None = None,
+    leading_axis: LeadingAxis = None,
 ) -> CommPrimitive:
     """Define the primitive for operation `name`.
 
@@ -96,16 +116,17 @@ def comm_primitive(
     abstract_eval(*avals, comm, **params) returns the output avals.
     `aliases(*avals, **params)` says which outputs may reuse which inputs.
     `before_lowering(**params)` may refuse to lower a call.
+    `params`: how each parameter a caller passes is checked (jaxcomm._params).
     `elementwise`: each element of the result depends only on the same element of
     x on every rank, so the small arrays of a pytree may travel as one message.
     `leading_axis`: what must have a leading axis of length size (its name in the
-    error), if anything.
+    error), if anything; or a function of (comm, **params) that says so.
     """
     if name not in _ATTRIBUTES:
         raise ValueError(f"no operation {name!r} in the C++ table (cpp/ops.h)")
     if name in PRIMITIVES:
         raise ValueError(f"operation {name!r} is declared twice")
-    primitive = CommPrimitive(name, abstract_eval, elementwise, leading_axis)
+    primitive = CommPrimitive(name, abstract_eval, params or {}, elementwise, leading_axis)
     PRIMITIVES[name] = primitive
     primitive.def_effectful_abstract_eval(
         lambda *avals, **params: (abstract_eval(*avals, **params), {COMM_EFFECT})

@@ -1,7 +1,8 @@
 """Reductions: allreduce, reduce, scan, exscan, reduce_scatter; and the transpose
 of pvary (jaxcomm._replicated), an allreduce.
 
-Each function takes one array and static arguments, checked by the JaxComm layer.
+Each function takes one array and static arguments, checked by the JaxComm layer
+against the parameters each primitive declares.
 
 Gradient convention (see docs/autodiff): allreduce's result is one replicated
 value, so its transpose passes the (replicated) cotangent through unchanged via
@@ -18,6 +19,7 @@ from jax import core
 
 from jaxcomm._collectives import allgather, bcast
 from jaxcomm._ops import ReduceOp
+from jaxcomm._params import ROOT, reduce_op
 from jaxcomm._primitive import CommInfo, comm_primitive, in_place, same_shape
 from jaxcomm._replicated import pvary, pvary_p, replicated_cotangent
 from jaxcomm._rules import (
@@ -34,11 +36,16 @@ def _row(x, **_):
     return [core.ShapedArray(x.shape[1:], x.dtype)]
 
 
-allreduce_p = comm_primitive("allreduce", same_shape, aliases=in_place, elementwise=True)
-reduce_p = comm_primitive("reduce", same_shape, aliases=in_place, elementwise=True)
-scan_p = comm_primitive("scan", same_shape, aliases=in_place, elementwise=True)
-exscan_p = comm_primitive("exscan", same_shape, aliases=in_place, elementwise=True)
-reduce_scatter_p = comm_primitive("reduce_scatter", _row, leading_axis="x")
+_OP = {"op": reduce_op}
+allreduce_p = comm_primitive(
+    "allreduce", same_shape, aliases=in_place, params=_OP, elementwise=True
+)
+reduce_p = comm_primitive(
+    "reduce", same_shape, aliases=in_place, params=_OP | {"root": ROOT}, elementwise=True
+)
+scan_p = comm_primitive("scan", same_shape, aliases=in_place, params=_OP, elementwise=True)
+exscan_p = comm_primitive("exscan", same_shape, aliases=in_place, params=_OP, elementwise=True)
+reduce_scatter_p = comm_primitive("reduce_scatter", _row, params=_OP, leading_axis="x")
 
 
 def allreduce(x, *, comm: CommInfo, op: ReduceOp):

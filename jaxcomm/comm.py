@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any, NamedTuple, TypeVar
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +28,12 @@ from jaxcomm import (
 from jaxcomm._fusion import PerLeaf
 from jaxcomm._jax_internals import ArrayImpl
 from jaxcomm._nonblocking import Request
-from jaxcomm._ops import ReduceOp, as_reduce_op, check_dtype, check_reduction
+from jaxcomm._ops import ReduceOp, check_dtype, check_reduction
 from jaxcomm._primitive import CommInfo, CommPrimitive
 
 PyTree = Any
 Self = TypeVar("Self", bound="JaxComm")
+P = ParamSpec("P")
 
 
 class Status(NamedTuple):
@@ -39,19 +41,6 @@ class Status(NamedTuple):
 
     source: jax.Array
     tag: jax.Array
-
-
-def _static_int(operation: str, name: str, value: Any) -> int:
-    if type(value) is int:
-        return value
-    if isinstance(value, jax.core.Tracer):
-        raise TypeError(
-            f"{operation}: {name} must be a Python int fixed at trace time, got a traced "
-            f"value; mark it static (e.g. jax.jit(..., static_argnames={name!r}))"
-        )
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{operation}: {name} must be an int, got {type(value).__name__}")
-    return int(value)
 
 
 def _status(status: Any, like: Any) -> Status:
@@ -72,6 +61,38 @@ def _received(result: PyTree, rest: Sequence[Any], source: int, tag: int) -> tup
 def _signed64(handle: int) -> int:
     """mpi4py reports handles as unsigned; the FFI attribute is a signed int64."""
     return handle - (1 << 64) if handle >= (1 << 63) else handle
+
+
+def _posting(
+    blocking: Callable[Concatenate[Any, PyTree, P], Any], doc: str
+) -> Callable[Concatenate[Any, PyTree, P], Request]:
+    """The non-blocking form of JaxComm method `blocking`: the same parameters,
+    checked as the same operation declares them, posted (JaxComm._post) instead of
+    run. `doc` is its docstring."""
+    operation = "i" + blocking.__name__
+    signature = inspect.signature(blocking)
+    defaults = {
+        name: p.default for name, p in signature.parameters.items() if p.default is not p.empty
+    }
+
+    @functools.cache
+    def positional(count: int, keywords: tuple[str, ...]) -> tuple[str, ...]:
+        # Signature.bind raises Python's own TypeError for a bad call; it costs
+        # more than a post, so it runs once per way of calling.
+        signature.bind(*range(count), **dict.fromkeys(keywords))
+        return tuple(signature.parameters)[:count]
+
+    def post(*args: Any, **kwargs: Any) -> Request:
+        params = defaults | dict(zip(positional(len(args), tuple(kwargs)), args, strict=True))
+        params.update(kwargs)
+        return params.pop("self")._post(operation, params)
+
+    post.__name__ = operation
+    post.__qualname__ = f"JaxComm.{operation}"
+    post.__module__ = blocking.__module__
+    post.__doc__ = doc
+    post.__signature__ = signature.replace(return_annotation="Request")  # type: ignore[attr-defined]
+    return post
 
 
 class JaxComm:
@@ -112,9 +133,6 @@ class JaxComm:
             self._mpi.Get_size(),
             bool(check),
         )
-        # MPI_TAG_UB is only guaranteed on COMM_WORLD (Open MPI omits it on some
-        # derived communicators).
-        self._tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
 
     # -- identity -------------------------------------------------------------
     @property
@@ -195,20 +213,6 @@ class JaxComm:
             raise ValueError(f"{self!r} has been freed")
         return self._info
 
-    def _rank(self, operation: str, name: str, value: Any, *extra: int) -> int:
-        rank = _static_int(operation, name, value)
-        if not (0 <= rank < self.size or rank in extra):
-            raise ValueError(
-                f"{operation}: {name}={rank} is out of range for a communicator of size {self.size}"
-            )
-        return rank
-
-    def _tag(self, operation: str, name: str, value: Any, *extra: int) -> int:
-        tag = _static_int(operation, name, value)
-        if not (0 <= tag <= self._tag_ub or tag in extra):
-            raise ValueError(f"{operation}: {name}={tag} must be between 0 and {self._tag_ub}")
-        return tag
-
     def _leaves(self, operation: str, x: PyTree, op: ReduceOp | None = None):
         leaves, tree = jax.tree.flatten(x)
         leaves = [leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf) for leaf in leaves]
@@ -234,33 +238,40 @@ class JaxComm:
             )
         return leaves, tree
 
-    def _leading_axis(self, operation: str, leaf: jax.Array, what: str) -> None:
-        if leaf.ndim == 0 or leaf.shape[0] != self.size:
-            raise ValueError(
-                f"{operation}: {what} must have a leading axis of length size={self.size}, "
-                f"got shape {leaf.shape}"
-            )
+    def _checked_leaves(
+        self, primitive: CommPrimitive, x: PyTree, params: dict[str, Any]
+    ) -> tuple[list[jax.Array], Any]:
+        """x's leaves and structure, checked for a call of `primitive` with (checked)
+        `params`: their dtypes, platforms and, where declared, leading axis."""
+        operation = primitive.op_name
+        leaves, tree = self._leaves(operation, x, params.get("op"))
+        what = primitive.leading_axis_of(self._info, params)
+        for leaf in leaves if what is not None else ():
+            if leaf.ndim == 0 or leaf.shape[0] != self.size:
+                raise ValueError(
+                    f"{operation}: {what} must have a leading axis of length size={self.size}, "
+                    f"got shape {leaf.shape}"
+                )
+        return leaves, tree
 
     def _apply(
-        self, primitive: CommPrimitive, x: PyTree, *, leading_axis: str | None = None, **params
+        self, primitive: CommPrimitive, x: PyTree, **params: Any
     ) -> tuple[PyTree, Sequence[Any]]:
-        """Check x's leaves and apply `primitive`, an op on one array, to each of
-        them (small leaves together, when the op is element-wise). `leading_axis`
-        (else the primitive's own) names the leaves that must have a leading axis
-        of length size. Returns the results in x's structure, and the other results
+        """Check `params` and x's leaves as `primitive` declares, and apply it (an
+        op on one array) to each leaf (small leaves together, when the op is
+        element-wise). Returns the results in x's structure, and the other results
         of the last message (a receive's status)."""
-        comm, items = self._comm, tuple(params.items())
+        comm = self._comm
+        primitive.check(params, comm)
+        items = tuple(params.items())
         again = _eager.again(primitive.eager, x, comm, items)
         if again is not None:  # an earlier call like this one passed the checks below
             return again
-        operation = primitive.op_name
-        leaves, tree = self._leaves(operation, x, params.get("op"))
-        leading_axis = leading_axis or primitive.leading_axis
-        if leading_axis is not None:
-            for leaf in leaves:
-                self._leading_axis(operation, leaf, leading_axis)
+        leaves, tree = self._checked_leaves(primitive, x, params)
         if len(leaves) > 1 and params.get("source") == MPI.ANY_SOURCE:
-            raise ValueError(f"{operation}: a pytree with several arrays needs an explicit source")
+            raise ValueError(
+                f"{primitive.op_name}: a pytree with several arrays needs an explicit source"
+            )
         fuse = primitive.elementwise
         results, rest = _dispatch.apply(primitive, leaves, comm, items, fuse)
         _eager.remember(primitive.eager, x, comm, items, fuse)
@@ -269,18 +280,15 @@ class JaxComm:
     # -- reductions ---------------------------------------------------------------
     def allreduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Element-wise reduction over all ranks, on every rank. Same shapes as x."""
-        op = as_reduce_op(op)
         return self._apply(_reductions.allreduce_p, x, op=op)[0]
 
     def reduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM, root: int = 0) -> PyTree:
         """The reduction on root; other ranks get x back unchanged. Same shapes as x."""
-        root = self._rank("reduce", "root", root)
-        op = as_reduce_op(op)
         return self._apply(_reductions.reduce_p, x, op=op, root=root)[0]
 
     def scan(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Inclusive prefix reduction: rank r gets op(x_0, ..., x_r). Same shapes as x."""
-        return self._apply(_reductions.scan_p, x, op=as_reduce_op(op))[0]
+        return self._apply(_reductions.scan_p, x, op=op)[0]
 
     def exscan(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Exclusive prefix reduction: rank r gets op(x_0, ..., x_{r-1}).
@@ -288,22 +296,19 @@ class JaxComm:
         Rank 0 gets the identity of op (0 for SUM, 1 for PROD, the dtype's lowest
         value for MAX, ...) where MPI would leave it undefined. Same shapes as x.
         """
-        op = as_reduce_op(op)
         return self._apply(_reductions.exscan_p, x, op=op)[0]
 
     def reduce_scatter(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """x: ``(size, *s)`` on every rank; rank r gets row r of the reduction, shape s."""
-        return self._apply(_reductions.reduce_scatter_p, x, op=as_reduce_op(op))[0]
+        return self._apply(_reductions.reduce_scatter_p, x, op=op)[0]
 
     # -- data movement --------------------------------------------------------------
     def bcast(self, x: PyTree, root: int = 0) -> PyTree:
         """Root's x on every rank. Non-root ranks pass an array of the same shape."""
-        root = self._rank("bcast", "root", root)
         return self._apply(_collectives.bcast_p, x, root=root)[0]
 
     def gather(self, x: PyTree, root: int = 0) -> PyTree:
         """On root, ``(size, *x.shape)`` with rank i's x in row i; other ranks get x back."""
-        root = self._rank("gather", "root", root)
         return self._apply(_collectives.gather_p, x, root=root)[0]
 
     def allgather(self, x: PyTree) -> PyTree:
@@ -315,9 +320,7 @@ class JaxComm:
 
         Non-root ranks pass an array of shape s (its values are not read).
         """
-        root = self._rank("scatter", "root", root)
-        leading_axis = "x on the root rank" if self.rank == root else None
-        return self._apply(_collectives.scatter_p, x, leading_axis=leading_axis, root=root)[0]
+        return self._apply(_collectives.scatter_p, x, root=root)[0]
 
     def alltoall(self, x: PyTree) -> PyTree:
         """x: ``(size, *s)``. Row i of the result is rank i's row `rank`."""
@@ -326,8 +329,7 @@ class JaxComm:
     # -- point to point -----------------------------------------------------------------
     def send(self: Self, x: PyTree, dest: int, tag: int = 0) -> Self:
         """Send x to rank dest (blocking until MPI may reuse the buffer). Returns self."""
-        dest = self._rank("send", "dest", dest, MPI.PROC_NULL)
-        self._apply(_p2p.send_p, x, dest=dest, tag=self._tag("send", "tag", tag))
+        self._apply(_p2p.send_p, x, dest=dest, tag=tag)
         return self
 
     def recv(
@@ -343,8 +345,6 @@ class JaxComm:
         From MPI.PROC_NULL the result is zeros. With return_status=True, returns
         (result, Status(source, tag)) of the (last) message received.
         """
-        source = self._rank("recv", "source", source, MPI.ANY_SOURCE, MPI.PROC_NULL)
-        tag = self._tag("recv", "tag", tag, MPI.ANY_TAG)
         result, rest = self._apply(_p2p.recv_p, x, source=source, tag=tag)
         return _received(result, rest, source, tag) if return_status else result
 
@@ -364,10 +364,6 @@ class JaxComm:
         recvbuf is a shape/dtype template for the result (default: like sendbuf).
         From MPI.PROC_NULL the result is zeros.
         """
-        source = self._rank("sendrecv", "source", source, MPI.ANY_SOURCE, MPI.PROC_NULL)
-        dest = self._rank("sendrecv", "dest", dest, MPI.PROC_NULL)
-        sendtag = self._tag("sendrecv", "sendtag", sendtag)
-        recvtag = self._tag("sendrecv", "recvtag", recvtag, MPI.ANY_TAG)
         shape, dtype = self._templates(sendbuf, recvbuf)
         result, rest = self._apply(
             _p2p.sendrecv_p,
@@ -397,18 +393,24 @@ class JaxComm:
         return PerLeaf(a.shape for a in leaves), PerLeaf(a.dtype for a in leaves)
 
     # -- non-blocking -----------------------------------------------------------------
-    def _post(
-        self, operation: str, x: PyTree, *, return_status: bool = False, **params: Any
-    ) -> Request:
-        comm, items = self._comm, tuple(params.items())
+    def _post(self, operation: str, params: dict[str, Any]) -> Request:
+        """Check the arguments of a non-blocking method (`params`, by name: x, the
+        operation's parameters, return_status) as the start of `operation` declares
+        them, and post it."""
+        x, return_status = params.pop("x"), params.pop("return_status", False)
+        start, comm = _nonblocking.OPERATIONS[operation].start, self._comm
+        start.check(params, comm)
+        items = tuple(params.items())
         request = _nonblocking.again(operation, x, comm, items, return_status)
         if request is not None:  # an earlier post like this one passed the checks below
             return request
-        leaves, tree = self._leaves(operation, x, params.get("op"))
-        leading_axis = _nonblocking.OPERATIONS[operation].start.leading_axis
+        leaves, tree = self._checked_leaves(start, x, params)
+        if params.get("source") == MPI.ANY_SOURCE and (self.check or len(leaves) > 1):
+            raise ValueError(
+                f"{operation}: MPI.ANY_SOURCE receives one array, without checking mode; "
+                "give an explicit source"
+            )
         for leaf in leaves:
-            if leading_axis is not None:
-                self._leading_axis(operation, leaf, leading_axis)
             if not isinstance(leaf, jax.core.Tracer) and "cpu" not in _eager.platforms(
                 leaf.sharding
             ):
@@ -422,50 +424,28 @@ class JaxComm:
         _nonblocking.remember(operation, x, comm, items)
         return request
 
-    def iallreduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> Request:
-        """Post allreduce; ``wait`` returns its result. Like MPI_Iallreduce."""
-        return self._post("iallreduce", x, op=as_reduce_op(op))
-
-    def ireduce_scatter(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> Request:
-        """Post reduce_scatter (x: ``(size, *s)``); ``wait`` returns row `rank`, shape s."""
-        return self._post("ireduce_scatter", x, op=as_reduce_op(op))
-
-    def ibcast(self, x: PyTree, root: int = 0) -> Request:
-        """Post bcast; ``wait`` returns root's x."""
-        return self._post("ibcast", x, root=self._rank("ibcast", "root", root))
-
-    def iallgather(self, x: PyTree) -> Request:
-        """Post allgather; ``wait`` returns ``(size, *x.shape)``."""
-        return self._post("iallgather", x)
-
-    def ialltoall(self, x: PyTree) -> Request:
-        """Post alltoall (x: ``(size, *s)``); ``wait`` returns ``(size, *s)``."""
-        return self._post("ialltoall", x)
-
-    def isend(self, x: PyTree, dest: int, tag: int = 0) -> Request:
-        """Post a send of x to dest; ``wait`` returns None. x is not copied: MPI reads
-        it until the wait."""
-        dest = self._rank("isend", "dest", dest, MPI.PROC_NULL)
-        return self._post("isend", x, dest=dest, tag=self._tag("isend", "tag", tag))
-
-    def irecv(
-        self,
-        x: PyTree,
-        source: int = MPI.ANY_SOURCE,
-        tag: int = MPI.ANY_TAG,
-        *,
-        return_status: bool = False,
-    ) -> Request:
-        """Post a receive into arrays shaped like x (a template); ``wait`` returns
-        the result, or (result, Status) with return_status=True."""
-        source = self._rank("irecv", "source", source, MPI.ANY_SOURCE, MPI.PROC_NULL)
-        tag = self._tag("irecv", "tag", tag, MPI.ANY_TAG)
-        if source == MPI.ANY_SOURCE and (self.check or len(jax.tree.leaves(x)) > 1):
-            raise ValueError(
-                "irecv: MPI.ANY_SOURCE receives one array, without checking mode; "
-                "give an explicit source"
-            )
-        return self._post("irecv", x, return_status=return_status, source=source, tag=tag)
+    iallreduce = _posting(
+        allreduce, "Post allreduce; ``wait`` returns its result. Like MPI_Iallreduce."
+    )
+    ireduce_scatter = _posting(
+        reduce_scatter,
+        "Post reduce_scatter (x: ``(size, *s)``); ``wait`` returns row `rank`, shape s.",
+    )
+    ibcast = _posting(bcast, "Post bcast; ``wait`` returns root's x.")
+    iallgather = _posting(allgather, "Post allgather; ``wait`` returns ``(size, *x.shape)``.")
+    ialltoall = _posting(
+        alltoall, "Post alltoall (x: ``(size, *s)``); ``wait`` returns ``(size, *s)``."
+    )
+    isend = _posting(
+        send,
+        "Post a send of x to dest; ``wait`` returns None. x is not copied: MPI reads it "
+        "until the wait.",
+    )
+    irecv = _posting(
+        recv,
+        "Post a receive into arrays shaped like x (a template); ``wait`` returns the "
+        "result, or (result, Status) with return_status=True.",
+    )
 
     def wait(self, request: Request) -> Any:
         """Complete a non-blocking operation and return its result (None for isend).

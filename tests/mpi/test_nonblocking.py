@@ -2,6 +2,7 @@
 vmap and misuse. Their derivatives are checked with the others' in test_autodiff."""
 
 import gc
+import inspect
 from functools import partial
 
 import jax
@@ -12,6 +13,7 @@ from data import FLOAT, assert_values, expected_collective, rank_data
 from mpi4py import MPI
 
 import jaxcomm
+from jaxcomm import JaxComm, _nonblocking
 
 MODES = ["eager", "jit"]
 
@@ -369,6 +371,39 @@ def test_wrong_receive_size_is_an_error(comm):
 def test_wait_needs_a_request(comm):
     with pytest.raises(TypeError, match="expected a jaxcomm Request"):
         comm.wait(jnp.ones(2))
+
+
+@pytest.mark.parametrize("name", sorted(_nonblocking.OPERATIONS))
+def test_each_posting_method_takes_its_blocking_twins_parameters(comm, name):
+    posting, blocking = getattr(JaxComm, name), getattr(JaxComm, name[1:])
+    parameters = inspect.signature(blocking).parameters
+    assert list(inspect.signature(posting).parameters.values()) == list(parameters.values())
+    x = jnp.ones((comm.size, 2))
+    required = {n: 0 for n, p in parameters.items() if p.default is p.empty} | {"x": x}
+    del required["self"]
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        getattr(comm, name)(x, 0, 0, 0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+        getattr(comm, name)(**required, colour=0)
+    with pytest.raises(TypeError, match="missing a required argument: 'x'"):
+        getattr(comm, name)()
+
+
+def test_posting_methods_check_their_arguments_as_declared(comm):
+    x = jnp.ones((comm.size, 2))
+    with pytest.raises(ValueError, match=rf"ibcast: root={comm.size} is out of range"):
+        comm.ibcast(x, comm.size)
+    with pytest.raises(ValueError, match="iallreduce: op='mean' is not a supported reduction"):
+        comm.iallreduce(x, "mean")
+    with pytest.raises(ValueError, match="isend: tag=-2 must be between 0 and"):
+        comm.isend(x, dest=0, tag=-2)
+    with pytest.raises(TypeError, match="irecv: source must be a Python int fixed at trace"):
+        jax.jit(lambda s: comm.irecv(x, source=s))(0)
+    with pytest.raises(ValueError, match="ireduce_scatter: x must have a leading axis"):
+        comm.ireduce_scatter(jnp.ones(comm.size + 1))
+    # Positional and keyword forms post the same operation.
+    for request in (comm.iallreduce(x, MPI.MAX), comm.iallreduce(x=x, op="max")):
+        assert_values(comm.wait(request), np.ones((comm.size, 2), FLOAT))
 
 
 def test_any_source_needs_one_array_and_no_checking(comm):

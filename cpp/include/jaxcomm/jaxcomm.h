@@ -218,20 +218,22 @@ struct Bfloat16Bits {
 // 16-bit floats travel as 16-bit words and reduce with jaxcomm's own operators.
 #define JAXCOMM_DTYPES(X)                                       \
   X(PRED, bool, "bool", MPI_C_BOOL)                             \
-  X(S8, int8_t, "int8", MPI_INT8_T)                             \
-  X(S16, int16_t, "int16", MPI_INT16_T)                         \
-  X(S32, int32_t, "int32", MPI_INT32_T)                         \
-  X(S64, int64_t, "int64", MPI_INT64_T)                         \
-  X(U8, uint8_t, "uint8", MPI_UINT8_T)                          \
-  X(U16, uint16_t, "uint16", MPI_UINT16_T)                      \
-  X(U32, uint32_t, "uint32", MPI_UINT32_T)                      \
-  X(U64, uint64_t, "uint64", MPI_UINT64_T)                      \
+  JAXCOMM_INTEGERS(X, 8)                                        \
+  JAXCOMM_INTEGERS(X, 16)                                       \
+  JAXCOMM_INTEGERS(X, 32)                                       \
+  JAXCOMM_INTEGERS(X, 64)                                       \
   X(F16, Float16Bits, "float16", MPI_UINT16_T)                  \
   X(BF16, Bfloat16Bits, "bfloat16", MPI_UINT16_T)               \
   X(F32, float, "float32", MPI_FLOAT)                           \
   X(F64, double, "float64", MPI_DOUBLE)                         \
   X(C64, std::complex<float>, "complex64", MPI_C_FLOAT_COMPLEX) \
   X(C128, std::complex<double>, "complex128", MPI_C_DOUBLE_COMPLEX)
+
+// The signed and unsigned integers of `bits` bits: XLA, C, NumPy and MPI name
+// them alike.
+#define JAXCOMM_INTEGERS(X, bits)                           \
+  X(S##bits, int##bits##_t, "int" #bits, MPI_INT##bits##_T) \
+  X(U##bits, uint##bits##_t, "uint" #bits, MPI_UINT##bits##_T)
 
 // What jaxcomm knows of an XLA dtype: NumPy's name for it and the MPI datatype
 // that carries its elements.
