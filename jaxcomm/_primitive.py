@@ -85,7 +85,7 @@ class CommPrimitive(Primitive):
         self.eager = _eager.EagerOp(name, abstract_eval, self.attrs)
         self.def_impl(partial(apply_primitive, self))
 
-    def check(self, params: dict[str, Any], comm: CommInfo) -> None:
+    def check_params(self, params: dict[str, Any], comm: CommInfo) -> None:
         """Check a caller's `params` as declared, in place: each becomes the value
         to use, or raises."""
         for name, check in self.params.items():

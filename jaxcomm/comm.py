@@ -246,7 +246,9 @@ class JaxComm:
         operation = primitive.op_name
         leaves, tree = self._leaves(operation, x, params.get("op"))
         what = primitive.leading_axis_of(self._info, params)
-        for leaf in leaves if what is not None else ():
+        if what is None:
+            return leaves, tree
+        for leaf in leaves:
             if leaf.ndim == 0 or leaf.shape[0] != self.size:
                 raise ValueError(
                     f"{operation}: {what} must have a leading axis of length size={self.size}, "
@@ -262,7 +264,7 @@ class JaxComm:
         element-wise). Returns the results in x's structure, and the other results
         of the last message (a receive's status)."""
         comm = self._comm
-        primitive.check(params, comm)
+        primitive.check_params(params, comm)
         items = tuple(params.items())
         again = _eager.again(primitive.eager, x, comm, items)
         if again is not None:  # an earlier call like this one passed the checks below
@@ -399,7 +401,7 @@ class JaxComm:
         them, and post it."""
         x, return_status = params.pop("x"), params.pop("return_status", False)
         start, comm = _nonblocking.OPERATIONS[operation].start, self._comm
-        start.check(params, comm)
+        start.check_params(params, comm)
         items = tuple(params.items())
         request = _nonblocking.again(operation, x, comm, items, return_status)
         if request is not None:  # an earlier post like this one passed the checks below
