@@ -52,6 +52,14 @@ NONBLOCKING = ("iallreduce", "ibcast", "isendrecv", "ialltoall", "iallgather", "
 OPS = BLOCKING + NONBLOCKING
 
 
+def python_calls(op: str) -> int:
+    """The jaxcomm calls one timed call of `op` makes: a post and a wait for a
+    non-blocking op; isendrecv posts and waits an irecv and an isend."""
+    if op not in NONBLOCKING:
+        return 1
+    return 4 if op == "isendrecv" else 2
+
+
 def blocking_form(op: str) -> str:
     """The blocking op whose shapes and result a non-blocking one shares."""
     return op[1:] if op in NONBLOCKING else op

@@ -28,8 +28,8 @@ from mpi4py import MPI
 from jaxcomm import _native
 from jaxcomm._kernels import build_flags, register_kernel
 from jaxcomm._native import MPILibraryMismatchError
-from jaxcomm._nonblocking import Request
 from jaxcomm._ops import DTYPES, ReduceOp
+from jaxcomm._requests import Request
 from jaxcomm.comm import CartComm, JaxComm, Status
 
 __version__ = "0.1.0"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from jax import core
 
-from jaxcomm._params import ROOT
+from jaxcomm._checks import ROOT
 from jaxcomm._primitive import CommInfo, comm_primitive, in_place, same_shape
 from jaxcomm._replicated import pvary, replicated_cotangent
 from jaxcomm._rules import (

@@ -1,10 +1,13 @@
-"""How an operation runs on a pytree's leaves, once JaxComm has checked them: on
-the eager path (jaxcomm._eager), while tracing, or, for arrays off the host, as
-one jitted call. The leaves travel as the message plan of jaxcomm._fusion says,
-on every path."""
+"""How a JaxComm method runs its operation on a pytree, the one way every
+blocking call takes: the arguments are checked as the operation declares them
+(jaxcomm._checks), unless the call repeats one that passed (the eager shortcut);
+then the leaves run on the eager path (jaxcomm._eager), while tracing, or, for
+arrays off the host, as one jitted call. The leaves travel as the message plan
+of jaxcomm._fusion says, on every path."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -13,13 +16,32 @@ import jax.numpy as jnp
 
 from jaxcomm import _eager, _fusion
 from jaxcomm._fusion import Params
+from jaxcomm._primitive import CommInfo, CommPrimitive
 
 
-def apply(primitive, leaves: list, comm, params: Params, fuse: bool) -> tuple[list, tuple]:
-    """`primitive` (an op on one array) on every leaf; with `fuse` (for element-wise
-    ops), small leaves of one dtype as one array, in one MPI call. Returns each
-    leaf's first result (None where the op has none) and the other results of the
-    last message (a receive's status)."""
+def apply(
+    primitive: CommPrimitive, x: Any, comm: CommInfo, params: dict[str, Any]
+) -> tuple[Any, Sequence[Any]]:
+    """`primitive` (an op on one array) on each leaf of x, with `params` checked as
+    it declares them; small leaves together where it is element-wise. Returns the
+    results in x's structure, and the other results of the last message (a
+    receive's status)."""
+    primitive.check_params(params, comm)
+    items = tuple(params.items())
+    again = _eager.again(primitive.eager, x, comm, items)
+    if again is not None:  # an earlier call like this one passed the checks below
+        return again
+    leaves, tree = primitive.check_operands(x, params, comm)
+    fuse = primitive.elementwise
+    results, rest = _run(primitive, leaves, comm, items, fuse)
+    _eager.remember(primitive.eager, x, comm, items, fuse)
+    return tree.unflatten(results), rest
+
+
+def _run(primitive, leaves: list, comm, params: Params, fuse: bool) -> tuple[list, tuple]:
+    """`primitive` on every leaf; with `fuse`, small leaves of one dtype as one
+    array, in one MPI call. Returns each leaf's first result (None where the op has
+    none) and the other results of the last message."""
     if _eager.can_run(leaves):
         return _eager.map_call(primitive.eager, leaves, comm, params, fuse)(leaves)
     if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):

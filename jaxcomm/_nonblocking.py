@@ -24,12 +24,14 @@ and the transpose of the start waits for it, so that cotangents overlap the
 backward pass as the primal messages overlap the forward pass. Adjoints that
 need no message under jaxcomm's gradient convention (iallreduce, ibcast,
 iallgather) are computed at the wait's transpose.
+
+What the user holds, a Request, and how a post on a pytree becomes these
+primitives' calls, is jaxcomm._requests.
 """
 
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, NamedTuple
@@ -42,9 +44,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 from mpi4py import MPI
 
-from jaxcomm import _collectives, _eager, _fusion, _p2p, _reductions, _replicated
-from jaxcomm._fusion import Params
-from jaxcomm._jax_internals import COMM_EFFECT, ArrayImpl, at_top_level, lower_with_token
+from jaxcomm import _collectives, _p2p, _reductions, _replicated
+from jaxcomm._jax_internals import COMM_EFFECT, lower_with_token
 from jaxcomm._native import PLATFORMS, cpu
 from jaxcomm._ops import ReduceOp
 from jaxcomm._primitive import CommInfo, CommPrimitive, comm_primitive
@@ -120,12 +121,12 @@ def _declare(blocking: CommPrimitive, kind: Kind, batch_in=0, batch_out=0) -> No
 # dropped unwaited adds its numbers here, so that lowering the function that
 # posted it fails instead of compiling a start whose buffers XLA would free
 # while MPI still writes them.
-_posted = itertools.count(1)
-_ABANDONED: set[int] = set()
+POSTED = itertools.count(1)
+ABANDONED: set[int] = set()
 
 
 def _refuse_abandoned(operation: str, *, posted: int, **_) -> None:
-    if posted in _ABANDONED:
+    if posted in ABANDONED:
         raise ValueError(
             f"{operation}: its request is never waited; wait for every request "
             "(comm.wait) before the function that posted it returns"
@@ -165,7 +166,7 @@ def _wait_impl(*operands, operation, comm, params):
     # Not through JAX's dispatch: that would copy `pending` (it cannot donate it)
     # before MPI has written it.
     request, keep, pending = _split_wait_operands(OPERATIONS[operation].kind, operands)
-    return [jnp.asarray(v) for v in _wait_now(operation, comm, params, pending, request, keep)]
+    return [jnp.asarray(v) for v in wait_now(operation, comm, params, pending, request, keep)]
 
 
 wait_p.def_impl(_wait_impl)
@@ -183,12 +184,12 @@ def _wait_lowering(ctx, request, *buffers, operation, comm, params):
 # -- polling ---------------------------------------------------------------------------
 
 test_p = Primitive("jaxcomm_test")
-test_p.def_impl(lambda request: jnp.asarray(_test_now(request)))
+test_p.def_impl(lambda request: jnp.asarray(test_now(request)))
 test_p.def_effectful_abstract_eval(lambda request: (core.ShapedArray((), np.bool_), {COMM_EFFECT}))
 mlir.register_lowering(test_p, lower_with_token("jaxcomm_test"), platform="cpu")
 
 
-def _test_now(request) -> bool:
+def test_now(request) -> bool:
     """Whether a request posted outside any trace has completed."""
     code, message, done = cpu.test(request)
     if code:
@@ -231,153 +232,14 @@ def _wait_operands(kind: Kind, request, keep, pending) -> list:
     return [request, *([keep] if kind.keep else []), *([pending] if kind.pending else [])]
 
 
-def _bind_wait(operation: str, comm: CommInfo, params: dict, request, keep, pending) -> list:
+def bind_wait(operation: str, comm: CommInfo, params: dict, request, keep, pending) -> list:
     operands = _wait_operands(OPERATIONS[operation].kind, request, keep, pending)
     return wait_p.bind(
         *operands, operation=operation, comm=comm, params=tuple(sorted(params.items()))
     )
 
 
-# -- a posted operation, as the user holds it --------------------------------------------
-
-
-class Request:
-    """A posted non-blocking operation: pass it to ``JaxComm.wait`` exactly once,
-    in the same function (and loop iteration, or branch) that posted it.
-
-    Not a JAX type: it cannot be returned from a jitted function or carried
-    through a loop.
-    """
-
-    # Eager code makes one per post: slots make that cheaper.
-    __slots__ = (
-        "_at_top_level",
-        "_comm",
-        "_leaves",
-        "_messages",
-        "_params",
-        "_parts",
-        "_posted",
-        "_return_status",
-        "_traced",
-        "_tree",
-        "operation",
-        "waited",
-    )
-
-    def __init__(
-        self,
-        operation,
-        comm,
-        params,
-        messages,
-        parts,
-        leaves,
-        tree,
-        return_status=False,
-        posted=(),
-        *,
-        now=False,
-    ):
-        self.operation = operation
-        self._posted = posted
-        self._comm = comm
-        self._params = params
-        self._messages = messages  # the leaves each MPI request carries (_fusion)
-        self._parts = parts  # per message: (pending, request, keep), None where absent
-        self._leaves = leaves
-        self._tree = tree
-        self._return_status = return_status
-        # `now`: posted outside any trace, on concrete arrays (the shortcut's case).
-        self._traced = not now and any(
-            isinstance(value, core.Tracer) for part in parts for value in part if value is not None
-        )
-        # Eager AD posts an operation on constants (no tangent) without tracing it.
-        self._at_top_level = now or at_top_level()
-        self.waited = False
-
-    def __repr__(self) -> str:
-        state = "waited" if self.waited else "pending"
-        return f"jaxcomm.Request({self.operation}, {state})"
-
-    def __del__(self):
-        if not getattr(self, "waited", True):
-            if self._traced:
-                _ABANDONED.update(self._posted)
-            elif not MPI.Is_finalized():  # MPI must be done with the buffers first
-                for _, request, _ in self._parts:
-                    cpu.discard(request)
-            warnings.warn(
-                f"jaxcomm: a request of {self.operation} was never waited; every request "
-                "must be waited before the function that posted it returns",
-                RuntimeWarning,
-                stacklevel=1,
-            )
-
-    def _check_usable(self, what: str) -> None:
-        if self.waited:
-            raise ValueError(f"{what}: this request of {self.operation} has already been waited")
-        if self._traced and at_top_level():
-            raise ValueError(
-                f"{what}: this request of {self.operation} was posted inside a traced "
-                f"function (jit, vmap, grad...), which has returned; {what} it there"
-            )
-        if self._at_top_level and not at_top_level():
-            raise ValueError(
-                f"{what}: this request of {self.operation} was posted outside the traced "
-                "function that uses it; post, test and wait in the same function"
-            )
-
-    def test(self) -> bool | jax.Array:
-        """Whether the operation has completed (a bool; a traced bool scalar inside
-        a traced function), without waiting."""
-        self._check_usable("test")
-        requests = [request for _, request, _ in self._parts]
-        if not self._traced:
-            return all(_test_now(request) for request in requests)
-        done = jnp.array(True)
-        for request in requests:
-            done = done & test_p.bind(request)
-        return done
-
-    def wait(self) -> tuple[Any, Any]:
-        """The operation's result, and the (source, tag) array of a receive posted
-        with return_status (else None)."""
-        self._check_usable("wait")
-        self.waited = True
-        waits = _wait_traced if self._traced else _wait_now
-        results, status = [None] * len(self._leaves), None
-        for message, part in zip(self._messages, self._parts, strict=True):
-            out = waits(self.operation, self._comm, self._params, *part)
-            if not out:
-                continue
-            if len(out) > 1:
-                status = out[1]
-            if not message.fused:
-                results[message.members[0]] = self._array(message.members[0], out[0])
-                continue
-            for i, piece in zip(message.members, message.unpack(out[0]), strict=True):
-                results[i] = self._array(i, piece)
-        if not OPERATIONS[self.operation].kind.pending:
-            return None, None
-        result = self._tree.unflatten(results)
-        if not self._return_status:
-            return result, None
-        if status is None:  # an empty pytree: nothing arrived
-            status = jnp.array([self._params["source"], self._params["tag"]], np.int32)
-        return result, status
-
-    def _array(self, i: int, value: Any) -> Any:
-        # MPI wrote NumPy results on the direct path: each becomes a jax.Array on
-        # its leaf's device.
-        return _eager.as_array(value, self._leaves[i]) if isinstance(value, np.ndarray) else value
-
-
-def _wait_traced(operation, comm, params, pending, request, keep):
-    return _bind_wait(operation, comm, params, request, keep, pending)
-
-
-def _wait_now(operation, comm, params, pending, request, keep):
+def wait_now(operation, comm, params, pending, request, keep):
     """Complete a request posted outside any trace, now."""
     # Through the buffer protocol, which waits for buffers that JAX's dispatch
     # (rather than the direct path) is still computing.
@@ -389,67 +251,6 @@ def _wait_now(operation, comm, params, pending, request, keep):
     if not OPERATIONS[operation].kind.status:
         return [pending]
     return [pending, np.array([source, tag], np.int32)]
-
-
-def _part(kind: Kind, outputs: Sequence[Any], leaf: Any, direct: bool) -> tuple:
-    """(pending, request, keep) of a leaf's start, from its outputs."""
-    outputs = list(outputs)
-    pending = outputs.pop(0) if kind.pending else None
-    request = outputs.pop(0)
-    # On the direct path MPI reads the leaf's own buffer: hold on to the leaf.
-    keep = outputs.pop(0) if kind.keep and not direct else leaf
-    return pending, request, keep
-
-
-def start(
-    operation: str, leaves: Sequence[Any], tree, *, comm: CommInfo, return_status=False, **params
-) -> Request:
-    """Post `operation` on the leaves, small ones of one dtype together where it is
-    element-wise (as the blocking form sends them); returns the Request that waits
-    for them all."""
-    op = OPERATIONS[operation]
-    plan = _fusion.messages([(leaf.shape, leaf.dtype) for leaf in leaves], op.start.elementwise)
-    parts, posted = [], []
-    for message in plan:
-        members = [leaves[i] for i in message.members]
-        direct = _eager.can_run(members)
-        data = message.pack(leaves, np if direct else jnp) if message.fused else members[0]
-        if direct:  # NumPy results, which MPI writes until the wait
-            outputs = op.start.eager([data], comm, wrapped=0, like=members[0], **params)
-        else:
-            number = 0 if at_top_level() else next(_posted)
-            posted.append(number)
-            outputs = op.start.bind(data, comm=comm, posted=number, **params)
-        parts.append(_part(op.kind, outputs, data, direct))
-    return Request(operation, comm, params, plan, parts, leaves, tree, return_status, tuple(posted))
-
-
-_ONE_ARRAY = jax.tree.structure(0)
-# The plan of one array: it travels alone (only a lone message's members are read).
-_ALONE = [_fusion.Message(members=(0,), shapes=((),), spans=((0, 1),))]
-
-
-def again(operation: str, x: Any, comm: CommInfo, params: Params, return_status: bool):
-    """The Request of posting `operation` on the array x now, if an earlier post
-    on an array like x passed the method's checks (`remember`) and no trace is
-    active; else None."""
-    if type(x) is not ArrayImpl:
-        return None
-    op = OPERATIONS[operation]
-    found = _eager.again(op.start.eager, x, comm, params)
-    if found is None:
-        return None
-    first, rest = found
-    part = _part(op.kind, [first, *rest], x, direct=True)
-    return Request(
-        operation, comm, dict(params), _ALONE, [part], [x], _ONE_ARRAY, return_status, now=True
-    )
-
-
-def remember(operation: str, x: Any, comm: CommInfo, params: Params) -> None:
-    """Let `again` take posts like this one, on x which has just passed the
-    method's checks."""
-    _eager.remember_array(OPERATIONS[operation].start.eager, x, comm, params, wrapped=0)
 
 
 # -- AD ----------------------------------------------------------------------------------
@@ -625,7 +426,7 @@ def _start_transpose(operation):
         a_params = adjoint.params(**params)
         # As the wait's transpose passed them: the adjoint's pending came as keep's
         # cotangent, its kept data as pending's.
-        outs = _bind_wait(target, comm, a_params, request_ct, pending_ct, keep_ct)
+        outs = bind_wait(target, comm, a_params, request_ct, pending_ct, keep_ct)
         if not a_kind.pending:
             return [None]
         return [adjoint.after(outs[0], comm=comm)]

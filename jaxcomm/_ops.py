@@ -1,6 +1,6 @@
 """The table of reduction operators and the dtypes each one accepts.
 
-This table drives argument checking, the C++ operator number (ReduceOp's value,
+This table drives argument checking (jaxcomm._checks), the C++ operator number (ReduceOp's value,
 mirrored by jaxcomm::ReduceOp in jaxcomm.h) and the tests.
 """
 
@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import enum
 
-import jax.numpy as jnp
-import numpy as np
 from mpi4py import MPI
 
 
@@ -66,30 +64,3 @@ def as_reduce_op(op: MPI.Op | str | ReduceOp) -> ReduceOp:
                 return ours
     names = ", ".join(o.name.lower() for o in ReduceOp)
     raise ValueError(f"op={op!r} is not a supported reduction; use an MPI.Op or one of: {names}")
-
-
-_SUPPORTED = frozenset(jnp.dtype(name) for name in DTYPES)
-_REDUCIBLE = {
-    op: frozenset(jnp.dtype(name) for name in names) for op, names in VALID_DTYPES.items()
-}
-
-
-def check_dtype(operation: str, dtype: np.dtype) -> None:
-    """Raise TypeError if jaxcomm cannot transfer arrays of `dtype`."""
-    if dtype not in _SUPPORTED:
-        raise TypeError(
-            f"{operation}: dtype {jnp.dtype(dtype).name} is not supported; "
-            f"supported dtypes: {', '.join(DTYPES)}"
-        )
-
-
-def check_reduction(operation: str, op: ReduceOp, dtype: np.dtype) -> None:
-    """Raise TypeError if `op` cannot reduce arrays of `dtype`."""
-    if dtype in _REDUCIBLE[op]:
-        return
-    check_dtype(operation, dtype)
-    name = jnp.dtype(dtype).name
-    raise TypeError(
-        f"{operation}: op={op.name} is not defined for dtype {name}; "
-        f"{op.name} accepts {', '.join(VALID_DTYPES[op])}"
-    )

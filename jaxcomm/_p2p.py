@@ -18,7 +18,7 @@ import numpy as np
 from jax import core
 from mpi4py import MPI
 
-from jaxcomm._params import DEST, RECEIVED_TAG, SOURCE, TAG
+from jaxcomm._checks import DEST, RECEIVED_TAG, SOURCE, TAG
 from jaxcomm._primitive import CommInfo, comm_primitive
 from jaxcomm._rules import define_rules, differentiable, instantiate, move_batch, zero_tangent
 

@@ -15,15 +15,17 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 from jax import core
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
+from mpi4py import MPI
 
-from jaxcomm import _eager
+from jaxcomm import _checks, _eager
+from jaxcomm._checks import Check
 from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
 from jaxcomm._native import PLATFORMS, cpu
-from jaxcomm._params import Check
 
 
 class CommInfo(NamedTuple):
@@ -92,11 +94,31 @@ class CommPrimitive(Primitive):
             if name in params:
                 params[name] = check(self.op_name, name, params[name], comm.size)
 
-    def leading_axis_of(self, comm: CommInfo, params: dict[str, Any]) -> str | None:
-        """What must have a leading axis of length size in this call, if anything."""
-        if callable(self.leading_axis):
-            return self.leading_axis(comm, **params)
-        return self.leading_axis
+    def check_operands(
+        self, x: Any, params: dict[str, Any], comm: CommInfo
+    ) -> tuple[list[jax.Array], Any]:
+        """x's leaves and structure, checked for a call with (checked) `params`:
+        dtypes and platform (jaxcomm._checks.leaves) and, where declared, a leading
+        axis of length size; a receive from MPI.ANY_SOURCE takes one array."""
+        operation = self.op_name
+        leaves, tree = _checks.leaves(operation, x, params.get("op"))
+        if len(leaves) > 1 and params.get("source") == MPI.ANY_SOURCE:
+            raise ValueError(
+                f"{operation}: a pytree of several arrays needs an explicit source, "
+                "not MPI.ANY_SOURCE"
+            )
+        what = self.leading_axis
+        if callable(what):
+            what = what(comm, **params)
+        if what is None:
+            return leaves, tree
+        for leaf in leaves:
+            if leaf.ndim == 0 or leaf.shape[0] != comm.size:
+                raise ValueError(
+                    f"{operation}: {what} must have a leading axis of length size={comm.size}, "
+                    f"got shape {leaf.shape}"
+                )
+        return leaves, tree
 
 
 def comm_primitive(
@@ -116,7 +138,7 @@ def comm_primitive(
     abstract_eval(*avals, comm, **params) returns the output avals.
     `aliases(*avals, **params)` says which outputs may reuse which inputs.
     `before_lowering(**params)` may refuse to lower a call.
-    `params`: how each parameter a caller passes is checked (jaxcomm._params).
+    `params`: how each parameter a caller passes is checked (jaxcomm._checks).
     `elementwise`: each element of the result depends only on the same element of
     x on every rank, so the small arrays of a pytree may travel as one message.
     `leading_axis`: what must have a leading axis of length size (its name in the

@@ -17,9 +17,9 @@ from functools import partial
 import jax.numpy as jnp
 from jax import core
 
+from jaxcomm._checks import ROOT, reduce_op
 from jaxcomm._collectives import allgather, bcast
 from jaxcomm._ops import ReduceOp
-from jaxcomm._params import ROOT, reduce_op
 from jaxcomm._primitive import CommInfo, comm_primitive, in_place, same_shape
 from jaxcomm._replicated import pvary, pvary_p, replicated_cotangent
 from jaxcomm._rules import (

@@ -13,23 +13,21 @@ import numpy as np
 from mpi4py import MPI
 
 from jaxcomm import (
+    _checks,
     _collectives,
     _dispatch,
     _eager,
     _kernels,
     _native,
-    _nonblocking,
     _p2p,
     _reductions,
     _replicated,
+    _requests,
     _settings,
     topology,
 )
-from jaxcomm._fusion import PerLeaf
-from jaxcomm._jax_internals import ArrayImpl
-from jaxcomm._nonblocking import Request
-from jaxcomm._ops import ReduceOp, check_dtype, check_reduction
 from jaxcomm._primitive import CommInfo, CommPrimitive
+from jaxcomm._requests import Request
 
 PyTree = Any
 Self = TypeVar("Self", bound="JaxComm")
@@ -67,8 +65,8 @@ def _posting(
     blocking: Callable[Concatenate[Any, PyTree, P], Any], doc: str
 ) -> Callable[Concatenate[Any, PyTree, P], Request]:
     """The non-blocking form of JaxComm method `blocking`: the same parameters,
-    checked as the same operation declares them, posted (JaxComm._post) instead of
-    run. `doc` is its docstring."""
+    checked as the same operation declares them, posted (jaxcomm._requests)
+    instead of run. `doc` is its docstring."""
     operation = "i" + blocking.__name__
     signature = inspect.signature(blocking)
     defaults = {
@@ -85,7 +83,9 @@ def _posting(
     def post(*args: Any, **kwargs: Any) -> Request:
         params = defaults | dict(zip(positional(len(args), tuple(kwargs)), args, strict=True))
         params.update(kwargs)
-        return params.pop("self")._post(operation, params)
+        self, x = params.pop("self"), params.pop("x")
+        return_status = params.pop("return_status", False)
+        return _requests.post(operation, x, self._comm, params, return_status)
 
     post.__name__ = operation
     post.__qualname__ = f"JaxComm.{operation}"
@@ -134,7 +134,6 @@ class JaxComm:
             bool(check),
         )
 
-    # -- identity -------------------------------------------------------------
     @property
     def mpi(self) -> MPI.Intracomm:
         """The wrapped (duplicated) mpi4py communicator."""
@@ -162,7 +161,6 @@ class JaxComm:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
 
-    # -- derived communicators ---------------------------------------------------
     def dup(self: Self) -> Self:
         """A new communicator of the same type and group (collective)."""
         return type(self)(self)
@@ -206,80 +204,17 @@ class JaxComm:
     def __exit__(self, *exc: object) -> None:
         self.free()
 
-    # -- argument checks -------------------------------------------------------------
     @property
     def _comm(self) -> CommInfo:
         if self._mpi == MPI.COMM_NULL:
             raise ValueError(f"{self!r} has been freed")
         return self._info
 
-    def _leaves(self, operation: str, x: PyTree, op: ReduceOp | None = None):
-        leaves, tree = jax.tree.flatten(x)
-        leaves = [leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf) for leaf in leaves]
-        for leaf in leaves:
-            if op is None:
-                check_dtype(operation, leaf.dtype)
-            else:
-                check_reduction(operation, op, leaf.dtype)
-        if len(leaves) < 2:
-            return leaves, tree
-        platforms = set().union(
-            *(
-                _eager.platforms(leaf.sharding)
-                for leaf in leaves
-                if not isinstance(leaf, jax.core.Tracer)
-            )
-        )
-        if len(platforms) > 1:
-            raise ValueError(
-                f"{operation}: the arrays are on different platforms "
-                f"({', '.join(sorted(platforms))}); "
-                "put them on one with jax.device_put"
-            )
-        return leaves, tree
+    def _apply(self, primitive: CommPrimitive, x: PyTree, **params: Any) -> tuple[PyTree, Any]:
+        """`primitive` on x's leaves (jaxcomm._dispatch): the results in x's structure,
+        and the other results of the last message (a receive's status)."""
+        return _dispatch.apply(primitive, x, self._comm, params)
 
-    def _checked_leaves(
-        self, primitive: CommPrimitive, x: PyTree, params: dict[str, Any]
-    ) -> tuple[list[jax.Array], Any]:
-        """x's leaves and structure, checked for a call of `primitive` with (checked)
-        `params`: their dtypes, platforms and, where declared, leading axis."""
-        operation = primitive.op_name
-        leaves, tree = self._leaves(operation, x, params.get("op"))
-        what = primitive.leading_axis_of(self._info, params)
-        if what is None:
-            return leaves, tree
-        for leaf in leaves:
-            if leaf.ndim == 0 or leaf.shape[0] != self.size:
-                raise ValueError(
-                    f"{operation}: {what} must have a leading axis of length size={self.size}, "
-                    f"got shape {leaf.shape}"
-                )
-        return leaves, tree
-
-    def _apply(
-        self, primitive: CommPrimitive, x: PyTree, **params: Any
-    ) -> tuple[PyTree, Sequence[Any]]:
-        """Check `params` and x's leaves as `primitive` declares, and apply it (an
-        op on one array) to each leaf (small leaves together, when the op is
-        element-wise). Returns the results in x's structure, and the other results
-        of the last message (a receive's status)."""
-        comm = self._comm
-        primitive.check_params(params, comm)
-        items = tuple(params.items())
-        again = _eager.again(primitive.eager, x, comm, items)
-        if again is not None:  # an earlier call like this one passed the checks below
-            return again
-        leaves, tree = self._checked_leaves(primitive, x, params)
-        if len(leaves) > 1 and params.get("source") == MPI.ANY_SOURCE:
-            raise ValueError(
-                f"{primitive.op_name}: a pytree with several arrays needs an explicit source"
-            )
-        fuse = primitive.elementwise
-        results, rest = _dispatch.apply(primitive, leaves, comm, items, fuse)
-        _eager.remember(primitive.eager, x, comm, items, fuse)
-        return tree.unflatten(results), rest
-
-    # -- reductions ---------------------------------------------------------------
     def allreduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """Element-wise reduction over all ranks, on every rank. Same shapes as x."""
         return self._apply(_reductions.allreduce_p, x, op=op)[0]
@@ -304,7 +239,6 @@ class JaxComm:
         """x: ``(size, *s)`` on every rank; rank r gets row r of the reduction, shape s."""
         return self._apply(_reductions.reduce_scatter_p, x, op=op)[0]
 
-    # -- data movement --------------------------------------------------------------
     def bcast(self, x: PyTree, root: int = 0) -> PyTree:
         """Root's x on every rank. Non-root ranks pass an array of the same shape."""
         return self._apply(_collectives.bcast_p, x, root=root)[0]
@@ -328,7 +262,6 @@ class JaxComm:
         """x: ``(size, *s)``. Row i of the result is rank i's row `rank`."""
         return self._apply(_collectives.alltoall_p, x)[0]
 
-    # -- point to point -----------------------------------------------------------------
     def send(self: Self, x: PyTree, dest: int, tag: int = 0) -> Self:
         """Send x to rank dest (blocking until MPI may reuse the buffer). Returns self."""
         self._apply(_p2p.send_p, x, dest=dest, tag=tag)
@@ -366,7 +299,7 @@ class JaxComm:
         recvbuf is a shape/dtype template for the result (default: like sendbuf).
         From MPI.PROC_NULL the result is zeros.
         """
-        shape, dtype = self._templates(sendbuf, recvbuf)
+        shape, dtype = _checks.receive_templates(sendbuf, recvbuf)
         result, rest = self._apply(
             _p2p.sendrecv_p,
             sendbuf,
@@ -378,53 +311,6 @@ class JaxComm:
             recvtag=recvtag,
         )
         return _received(result, rest, source, recvtag) if return_status else result
-
-    def _templates(self, sendbuf: PyTree, recvbuf: PyTree | None) -> tuple[Any, Any]:
-        """The shape and dtype that sendrecv receives for each leaf of sendbuf (as
-        PerLeaf params, or plain for one array): those of recvbuf's leaves, default
-        sendbuf's own."""
-        like = sendbuf if recvbuf is None else recvbuf
-        if type(like) is ArrayImpl and type(sendbuf) is ArrayImpl:  # without flattening
-            return like.shape, like.dtype
-        leaves, tree = self._leaves("sendrecv", like)
-        if recvbuf is not None and tree != jax.tree.structure(sendbuf):
-            raise ValueError(
-                f"sendrecv: recvbuf's structure {tree} differs from sendbuf's "
-                f"{jax.tree.structure(sendbuf)}"
-            )
-        return PerLeaf(a.shape for a in leaves), PerLeaf(a.dtype for a in leaves)
-
-    # -- non-blocking -----------------------------------------------------------------
-    def _post(self, operation: str, params: dict[str, Any]) -> Request:
-        """Check the arguments of a non-blocking method (`params`, by name: x, the
-        operation's parameters, return_status) as the start of `operation` declares
-        them, and post it."""
-        x, return_status = params.pop("x"), params.pop("return_status", False)
-        start, comm = _nonblocking.OPERATIONS[operation].start, self._comm
-        start.check_params(params, comm)
-        items = tuple(params.items())
-        request = _nonblocking.again(operation, x, comm, items, return_status)
-        if request is not None:  # an earlier post like this one passed the checks below
-            return request
-        leaves, tree = self._checked_leaves(start, x, params)
-        if params.get("source") == MPI.ANY_SOURCE and (self.check or len(leaves) > 1):
-            raise ValueError(
-                f"{operation}: MPI.ANY_SOURCE receives one array, without checking mode; "
-                "give an explicit source"
-            )
-        for leaf in leaves:
-            if not isinstance(leaf, jax.core.Tracer) and "cpu" not in _eager.platforms(
-                leaf.sharding
-            ):
-                raise NotImplementedError(
-                    f"{operation}: non-blocking operations take host (CPU) arrays; "
-                    "on GPU use the blocking form"
-                )
-        request = _nonblocking.start(
-            operation, leaves, tree, comm=comm, return_status=return_status, **params
-        )
-        _nonblocking.remember(operation, x, comm, items)
-        return request
 
     iallreduce = _posting(
         allreduce, "Post allreduce; ``wait`` returns its result. Like MPI_Iallreduce."
@@ -477,7 +363,6 @@ class JaxComm:
         """wait for each request in order; returns their results."""
         return [self.wait(request) for request in requests]
 
-    # -- extension hook -----------------------------------------------------------------
     def call_kernel(
         self,
         target: str,
@@ -508,7 +393,6 @@ class JaxComm:
             attrs=attrs,
         )
 
-    # -- autodiff ----------------------------------------------------------------------
     def pvary(self, x: PyTree) -> PyTree:
         """Mark a replicated value that flows into rank-dependent code. Same shapes as x.
 
@@ -517,7 +401,7 @@ class JaxComm:
         identical on every rank; where each rank uses the value differently, pass it
         through pvary so that its cotangent is summed over ranks instead.
         """
-        leaves, tree = self._leaves("pvary", x)
+        leaves, tree = _checks.leaves("pvary", x)
         comm = self._comm
         return jax.tree.unflatten(tree, [_replicated.pvary(leaf, comm=comm) for leaf in leaves])
 

@@ -1,5 +1,7 @@
 """The JaxComm object: duplication, identity, derived communicators, no recompiles."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,10 +144,13 @@ def test_the_cpp_and_python_declarations_agree():
     if _native.cuda is not None:
         blocking = declared - set(_nonblocking.OPERATIONS)
         assert set(_native.cuda.registrations()) == {f"jaxcomm_{n}" for n in blocking}
-    # Every operation but those the AD rules use is a method and a module function.
+    # Every operation but those the AD rules use is a method and a module function,
+    # whose signature names every parameter the operation declares a check for.
     public = declared - {"tagged_sendrecv", "check_replicated"}
     for name in public:
         assert callable(getattr(JaxComm, name)), name
+        signature = inspect.signature(getattr(JaxComm, name))
+        assert set(PRIMITIVES[name].params) <= set(signature.parameters), name
         assert name in jaxcomm.__all__ and getattr(jaxcomm, name).__wrapped__ is getattr(
             JaxComm, name
         ), name

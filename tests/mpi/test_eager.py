@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from data import COLLECTIVES, FLOAT, assert_values, expected_collective, rank_data
 
-from jaxcomm import JaxComm, _eager
+from jaxcomm import _checks, _eager
 from jaxcomm._fusion import FUSE_BELOW_BYTES
 
 pytestmark = pytest.mark.skipif(not _eager.ENABLED, reason="JAXCOMM_EAGER=jit: no direct path")
@@ -23,13 +23,13 @@ def full_path_calls(monkeypatch):
     starting from an empty cache of prepared calls (whatever tests ran before)."""
     monkeypatch.setattr(_eager, "_prepared_calls", _eager._Prepared(64))
     calls = []
-    leaves = JaxComm._leaves
+    leaves = _checks.leaves
 
-    def counted(self, *args, **kwargs):
-        calls.append(args[0])
-        return leaves(self, *args, **kwargs)
+    def counted(operation, *args, **kwargs):
+        calls.append(operation)
+        return leaves(operation, *args, **kwargs)
 
-    monkeypatch.setattr(JaxComm, "_leaves", counted)
+    monkeypatch.setattr(_checks, "leaves", counted)
     return calls
 
 

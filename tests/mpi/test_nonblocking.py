@@ -407,8 +407,12 @@ def test_posting_methods_check_their_arguments_as_declared(comm):
 
 
 def test_any_source_needs_one_array_and_no_checking(comm):
-    with pytest.raises(ValueError, match="ANY_SOURCE"):
+    with pytest.raises(ValueError, match=r"irecv: a pytree .* not MPI\.ANY_SOURCE"):
         comm.irecv({"a": jnp.ones(2), "b": jnp.ones(2)})
+    checked = JaxComm(comm, check=True)
+    with pytest.raises(ValueError, match=r"irecv: checking mode .* not MPI\.ANY_SOURCE"):
+        checked.irecv(jnp.ones(2))
+    checked.free()
 
 
 def test_module_functions(comm):

@@ -1,0 +1,150 @@
+"""What a caller passes to an operation, checked as the operation declares it.
+
+An operation declares its parameters' kinds (`comm_primitive(params=...)`: a
+rank, a tag, a reduction op) and what its arrays must be (a dtype it can move or
+reduce, a leading axis of length size). Every call is checked against that
+declaration before anything is traced or sent, so a bad root, tag, dtype or
+shape is a Python exception on the rank that passed it, never a hang in MPI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from mpi4py import MPI
+
+from jaxcomm import _eager
+from jaxcomm._fusion import PerLeaf
+from jaxcomm._jax_internals import ArrayImpl
+from jaxcomm._ops import DTYPES, VALID_DTYPES, ReduceOp, as_reduce_op
+
+#: check(operation, name, value, size) -> the value to use, or an exception that
+#: names the operation and the parameter.
+Check = Callable[[str, str, Any, int], Any]
+
+
+def _static_int(operation: str, name: str, value: Any) -> int:
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{operation}: {name} must be a Python int fixed at trace time, got a traced "
+            f"value; mark it static (e.g. jax.jit(..., static_argnames={name!r}))"
+        )
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{operation}: {name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def rank(*wildcards: int) -> Check:
+    """A rank of the communicator, or one of `wildcards` (MPI.PROC_NULL...)."""
+
+    def check(operation: str, name: str, value: Any, size: int) -> int:
+        rank = value if type(value) is int else _static_int(operation, name, value)
+        if 0 <= rank < size or rank in wildcards:
+            return rank
+        raise ValueError(
+            f"{operation}: {name}={rank} is out of range for a communicator of size {size}"
+        )
+
+    return check
+
+
+# MPI_TAG_UB is only guaranteed on COMM_WORLD (Open MPI omits it on some derived
+# communicators).
+_TAG_UB: int = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+
+
+def tag(*wildcards: int) -> Check:
+    """A message tag from 0 to MPI_TAG_UB, or one of `wildcards` (MPI.ANY_TAG)."""
+
+    def check(operation: str, name: str, value: Any, size: int) -> int:
+        tag = value if type(value) is int else _static_int(operation, name, value)
+        if 0 <= tag <= _TAG_UB or tag in wildcards:
+            return tag
+        raise ValueError(f"{operation}: {name}={tag} must be between 0 and {_TAG_UB}")
+
+    return check
+
+
+def reduce_op(operation: str, name: str, value: Any, size: int) -> Any:
+    """A reduction: MPI.SUM, "sum", ReduceOp.SUM..."""
+    try:
+        return as_reduce_op(value)
+    except ValueError as error:
+        raise ValueError(f"{operation}: {error}") from None
+
+
+ROOT = rank()
+DEST = rank(MPI.PROC_NULL)
+SOURCE = rank(MPI.ANY_SOURCE, MPI.PROC_NULL)
+TAG = tag()
+RECEIVED_TAG = tag(MPI.ANY_TAG)
+
+
+_SUPPORTED = frozenset(jnp.dtype(name) for name in DTYPES)
+_REDUCIBLE = {
+    op: frozenset(jnp.dtype(name) for name in names) for op, names in VALID_DTYPES.items()
+}
+
+
+def check_dtype(operation: str, dtype: np.dtype) -> None:
+    """Raise TypeError if jaxcomm cannot transfer arrays of `dtype`."""
+    if dtype not in _SUPPORTED:
+        raise TypeError(
+            f"{operation}: dtype {jnp.dtype(dtype).name} is not supported; "
+            f"supported dtypes: {', '.join(DTYPES)}"
+        )
+
+
+def check_reduction(operation: str, op: ReduceOp, dtype: np.dtype) -> None:
+    """Raise TypeError if `op` cannot reduce arrays of `dtype`."""
+    if dtype in _REDUCIBLE[op]:
+        return
+    check_dtype(operation, dtype)
+    name = jnp.dtype(dtype).name
+    raise TypeError(
+        f"{operation}: op={op.name} is not defined for dtype {name}; "
+        f"{op.name} accepts {', '.join(VALID_DTYPES[op])}"
+    )
+
+
+def leaves(operation: str, x: Any, op: ReduceOp | None = None) -> tuple[list[jax.Array], Any]:
+    """x's leaves, as arrays, and its structure, if `operation` can move (or, with
+    `op`, reduce) each leaf's dtype and the leaves are on one platform."""
+    arrays, tree = jax.tree.flatten(x)
+    arrays = [a if isinstance(a, jax.Array) else jnp.asarray(a) for a in arrays]
+    for a in arrays:
+        if op is None:
+            check_dtype(operation, a.dtype)
+        else:
+            check_reduction(operation, op, a.dtype)
+    if len(arrays) < 2:
+        return arrays, tree
+    platforms = set().union(
+        *(_eager.platforms(a.sharding) for a in arrays if not isinstance(a, jax.core.Tracer))
+    )
+    if len(platforms) > 1:
+        raise ValueError(
+            f"{operation}: the arrays are on different platforms "
+            f"({', '.join(sorted(platforms))}); put them on one with jax.device_put"
+        )
+    return arrays, tree
+
+
+def receive_templates(sendbuf: Any, recvbuf: Any) -> tuple[Any, Any]:
+    """The shape and dtype that sendrecv receives for each leaf of sendbuf (as
+    PerLeaf params, or plain for one array): those of recvbuf's leaves, default
+    sendbuf's own."""
+    like = sendbuf if recvbuf is None else recvbuf
+    if type(like) is ArrayImpl and type(sendbuf) is ArrayImpl:  # without flattening
+        return like.shape, like.dtype
+    arrays, tree = leaves("sendrecv", like)
+    if recvbuf is not None and tree != jax.tree.structure(sendbuf):
+        raise ValueError(
+            f"sendrecv: recvbuf's structure {tree} differs from sendbuf's "
+            f"{jax.tree.structure(sendbuf)}"
+        )
+    return PerLeaf(a.shape for a in arrays), PerLeaf(a.dtype for a in arrays)

@@ -1,0 +1,250 @@
+"""Non-blocking operations as the user holds them: posting one on a pytree
+returns a Request, which a wait completes.
+
+A post checks its arguments as the start primitive declares them (those of its
+blocking twin), then posts each message of the same plan as the blocking form
+(jaxcomm._fusion): on the eager path at once, through the start's EagerOp, or
+while tracing by binding the start primitive (jaxcomm._nonblocking). The Request
+keeps the buffers of every message and waits for them all.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import core
+from mpi4py import MPI
+
+from jaxcomm import _eager, _fusion, _nonblocking
+from jaxcomm._fusion import Params
+from jaxcomm._jax_internals import ArrayImpl, at_top_level
+from jaxcomm._native import cpu
+from jaxcomm._primitive import CommInfo
+
+
+class Request:
+    """A posted non-blocking operation: pass it to ``JaxComm.wait`` exactly once,
+    in the same function (and loop iteration, or branch) that posted it.
+
+    Not a JAX type: it cannot be returned from a jitted function or carried
+    through a loop.
+    """
+
+    # Eager code makes one per post: slots make that cheaper.
+    __slots__ = (
+        "_at_top_level",
+        "_comm",
+        "_leaves",
+        "_messages",
+        "_params",
+        "_parts",
+        "_posted",
+        "_return_status",
+        "_traced",
+        "_tree",
+        "operation",
+        "waited",
+    )
+
+    def __init__(
+        self,
+        operation,
+        comm,
+        params,
+        messages,
+        parts,
+        leaves,
+        tree,
+        return_status=False,
+        posted=(),
+        *,
+        now=False,
+    ):
+        self.operation = operation
+        self._posted = posted
+        self._comm = comm
+        self._params = params
+        self._messages = messages  # the leaves each MPI request carries (_fusion)
+        self._parts = parts  # per message: (pending, request, keep), None where absent
+        self._leaves = leaves
+        self._tree = tree
+        self._return_status = return_status
+        # `now`: posted outside any trace, on concrete arrays (the shortcut's case).
+        self._traced = not now and any(
+            isinstance(value, core.Tracer) for part in parts for value in part if value is not None
+        )
+        # Eager AD posts an operation on constants (no tangent) without tracing it.
+        self._at_top_level = now or at_top_level()
+        self.waited = False
+
+    def __repr__(self) -> str:
+        state = "waited" if self.waited else "pending"
+        return f"jaxcomm.Request({self.operation}, {state})"
+
+    def __del__(self):
+        if not getattr(self, "waited", True):
+            if self._traced:
+                _nonblocking.ABANDONED.update(self._posted)
+            elif not MPI.Is_finalized():  # MPI must be done with the buffers first
+                for _, request, _ in self._parts:
+                    cpu.discard(request)
+            warnings.warn(
+                f"jaxcomm: a request of {self.operation} was never waited; every request "
+                "must be waited before the function that posted it returns",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+
+    def _check_usable(self, what: str) -> None:
+        if self.waited:
+            raise ValueError(f"{what}: this request of {self.operation} has already been waited")
+        if self._traced and at_top_level():
+            raise ValueError(
+                f"{what}: this request of {self.operation} was posted inside a traced "
+                f"function (jit, vmap, grad...), which has returned; {what} it there"
+            )
+        if self._at_top_level and not at_top_level():
+            raise ValueError(
+                f"{what}: this request of {self.operation} was posted outside the traced "
+                "function that uses it; post, test and wait in the same function"
+            )
+
+    def test(self) -> bool | jax.Array:
+        """Whether the operation has completed (a bool; a traced bool scalar inside
+        a traced function), without waiting."""
+        self._check_usable("test")
+        requests = [request for _, request, _ in self._parts]
+        if not self._traced:
+            return all(_nonblocking.test_now(request) for request in requests)
+        done = jnp.array(True)
+        for request in requests:
+            done = done & _nonblocking.test_p.bind(request)
+        return done
+
+    def wait(self) -> tuple[Any, Any]:
+        """The operation's result, and the (source, tag) array of a receive posted
+        with return_status (else None)."""
+        self._check_usable("wait")
+        self.waited = True
+        waits = _wait_traced if self._traced else _nonblocking.wait_now
+        results, status = [None] * len(self._leaves), None
+        for message, part in zip(self._messages, self._parts, strict=True):
+            out = waits(self.operation, self._comm, self._params, *part)
+            if not out:
+                continue
+            if len(out) > 1:
+                status = out[1]
+            if not message.fused:
+                results[message.members[0]] = self._array(message.members[0], out[0])
+                continue
+            for i, piece in zip(message.members, message.unpack(out[0]), strict=True):
+                results[i] = self._array(i, piece)
+        if not _nonblocking.OPERATIONS[self.operation].kind.pending:
+            return None, None
+        result = self._tree.unflatten(results)
+        if not self._return_status:
+            return result, None
+        if status is None:  # an empty pytree: nothing arrived
+            status = jnp.array([self._params["source"], self._params["tag"]], np.int32)
+        return result, status
+
+    def _array(self, i: int, value: Any) -> Any:
+        # MPI wrote NumPy results on the direct path: each becomes a jax.Array on
+        # its leaf's device.
+        return _eager.as_array(value, self._leaves[i]) if isinstance(value, np.ndarray) else value
+
+
+def _wait_traced(operation, comm, params, pending, request, keep):
+    return _nonblocking.bind_wait(operation, comm, params, request, keep, pending)
+
+
+def _part(kind: _nonblocking.Kind, outputs: Sequence[Any], leaf: Any, direct: bool) -> tuple:
+    """(pending, request, keep) of a leaf's start, from its outputs."""
+    outputs = list(outputs)
+    pending = outputs.pop(0) if kind.pending else None
+    request = outputs.pop(0)
+    # On the direct path MPI reads the leaf's own buffer: hold on to the leaf.
+    keep = outputs.pop(0) if kind.keep and not direct else leaf
+    return pending, request, keep
+
+
+def start(
+    operation: str, leaves: Sequence[Any], tree, *, comm: CommInfo, return_status=False, **params
+) -> Request:
+    """Post `operation` on the leaves, small ones of one dtype together where it is
+    element-wise (as the blocking form sends them); returns the Request that waits
+    for them all."""
+    op = _nonblocking.OPERATIONS[operation]
+    plan = _fusion.messages([(leaf.shape, leaf.dtype) for leaf in leaves], op.start.elementwise)
+    parts, posted = [], []
+    for message in plan:
+        members = [leaves[i] for i in message.members]
+        direct = _eager.can_run(members)
+        data = message.pack(leaves, np if direct else jnp) if message.fused else members[0]
+        if direct:  # NumPy results, which MPI writes until the wait
+            outputs = op.start.eager([data], comm, wrapped=0, like=members[0], **params)
+        else:
+            number = 0 if at_top_level() else next(_nonblocking.POSTED)
+            posted.append(number)
+            outputs = op.start.bind(data, comm=comm, posted=number, **params)
+        parts.append(_part(op.kind, outputs, data, direct))
+    return Request(operation, comm, params, plan, parts, leaves, tree, return_status, tuple(posted))
+
+
+_ONE_ARRAY = jax.tree.structure(0)
+# The plan of one array: it travels alone (only a lone message's members are read).
+_ALONE = [_fusion.Message(members=(0,), shapes=((),), spans=((0, 1),))]
+
+
+def again(operation: str, x: Any, comm: CommInfo, params: Params, return_status: bool):
+    """The Request of posting `operation` on the array x now, if an earlier post
+    on an array like x passed the method's checks (`remember`) and no trace is
+    active; else None."""
+    if type(x) is not ArrayImpl:
+        return None
+    op = _nonblocking.OPERATIONS[operation]
+    found = _eager.again(op.start.eager, x, comm, params)
+    if found is None:
+        return None
+    first, rest = found
+    part = _part(op.kind, [first, *rest], x, direct=True)
+    return Request(
+        operation, comm, dict(params), _ALONE, [part], [x], _ONE_ARRAY, return_status, now=True
+    )
+
+
+def remember(operation: str, x: Any, comm: CommInfo, params: Params) -> None:
+    """Let `again` take posts like this one, on x which has just passed the
+    method's checks."""
+    start_p = _nonblocking.OPERATIONS[operation].start
+    _eager.remember_array(start_p.eager, x, comm, params, wrapped=0)
+
+
+def post(
+    operation: str, x: Any, comm: CommInfo, params: dict[str, Any], return_status: bool = False
+) -> Request:
+    """Post `operation` on x, with `params` checked as its start declares them;
+    small leaves together where it is element-wise."""
+    start_p = _nonblocking.OPERATIONS[operation].start
+    start_p.check_params(params, comm)
+    items = tuple(params.items())
+    request = again(operation, x, comm, items, return_status)
+    if request is not None:  # an earlier post like this one passed the checks below
+        return request
+    leaves, tree = start_p.check_operands(x, params, comm)
+    if params.get("source") == MPI.ANY_SOURCE and comm.check:
+        raise ValueError(f"{operation}: checking mode needs an explicit source, not MPI.ANY_SOURCE")
+    for leaf in leaves:
+        if not isinstance(leaf, jax.core.Tracer) and "cpu" not in _eager.platforms(leaf.sharding):
+            raise NotImplementedError(
+                f"{operation}: non-blocking operations take host (CPU) arrays; "
+                "on GPU use the blocking form"
+            )
+    request = start(operation, leaves, tree, comm=comm, return_status=return_status, **params)
+    remember(operation, x, comm, items)
+    return request
