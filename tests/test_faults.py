@@ -49,6 +49,47 @@ def test_debug_log_has_one_line_per_call(tmp_path):
         )
 
 
+def test_debug_log_names_every_operation_as_the_cpp_table_does(tmp_path):
+    """Each host function names its operation in the log by hand; running every
+    operation of cpp/ops.h's table shows that the names agree with the table."""
+    script = program(
+        tmp_path,
+        """
+        import jax, jax.numpy as jnp
+        from jaxcomm import JaxComm, _native
+        comm = JaxComm(check=False)
+        right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+        x, rows = jnp.ones(2), jnp.ones((comm.size, 2))
+        for name in ("allreduce", "reduce", "scan", "exscan", "bcast", "gather", "allgather"):
+            getattr(comm, name)(x)
+        comm.reduce_scatter(rows), comm.alltoall(rows)
+        comm.scatter(rows if comm.rank == 0 else x)
+        comm.sendrecv(x, source=left, dest=right)
+        received = comm.irecv(x, source=left)
+        comm.send(x, dest=right).wait(received)
+        sent = comm.isend(x, dest=right)
+        comm.recv(x, source=left)
+        comm.wait(sent)
+        comm.barrier()
+        for name, arg in [("iallreduce", x), ("ibcast", x), ("iallgather", x),
+                          ("ireduce_scatter", rows), ("ialltoall", rows)]:
+            comm.wait(getattr(comm, name)(arg))
+        # The tangent of a receive from ANY_TAG is a tagged_sendrecv.
+        jax.jvp(lambda t: comm.sendrecv(t, source=left, dest=right), (x,), (x,))
+        # Checking mode's check of a replicated cotangent.
+        jax.grad(lambda t: JaxComm(check=True).allreduce(t).sum())(x)
+        print("TABLE", *_native.cpu.attributes())
+    """,
+    )
+    result = run(2, [script], TIMEOUT, env={"JAXCOMM_DEBUG": "1"})
+    assert result.returncode == 0, result.stderr
+    table = set(re.search(r"TABLE (.*)", result.stdout).group(1).split())
+    logged = set(re.findall(r"^jaxcomm\[rank 0\] (\w+)\(", result.stderr, re.MULTILINE))
+    # tagged_sendrecv is a sendrecv whose tags are an operand, and logs as one.
+    assert table - {"tagged_sendrecv"} <= logged, sorted(table - logged)
+    assert logged <= table | {"wait"}, sorted(logged - table)
+
+
 def test_no_debug_log_by_default(tmp_path):
     script = program(
         tmp_path,
