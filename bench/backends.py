@@ -254,15 +254,19 @@ def use_device(platform: str, comm: MPI.Intracomm) -> str:
     return f"{DEVICE.device_kind}, jaxcomm {mode}"
 
 
-def jax_case(op: str, count: int, call: Callable, *, jit: bool, comm: MPI.Intracomm) -> Case:
-    """`call(op)` gives the single-array function of this backend for op."""
+def jax_case(
+    op: str, count: int, call: Callable, *, jit: bool, comm: MPI.Intracomm, live: bool = False
+) -> Case:
+    """`call(op)` gives the single-array function of this backend for op. With
+    `live`, x is still needed after each call (the next one's input is x with
+    one element taken from the result), as in a program that keeps its data."""
     import jax
     import jax.numpy as jnp
 
     fn = call(op)
     x = reference_input(op, count, comm.rank, comm.size)
 
-    if blocking_form(op) in ("allgather", "reduce_scatter"):
+    if live or blocking_form(op) in ("allgather", "reduce_scatter"):
         step = lambda c: c.at[(0,) * c.ndim].set(fn(c).reshape(-1)[0])  # noqa: E731
     else:
         step = fn
@@ -312,14 +316,20 @@ def jax_case(op: str, count: int, call: Callable, *, jit: bool, comm: MPI.Intrac
     return Case(lambda: np.asarray(single(jax.device_put(x, DEVICE))), run)
 
 
+def jit_name(library: str, jit: bool, live: bool = False) -> str:
+    """jaxcomm-jit, jaxcomm-jit-live (x still needed after each call), jaxcomm-eager..."""
+    return f"{library}-{'jit' if jit else 'eager'}{'-live' if live else ''}"
+
+
 class JaxcommBackend(Backend):
-    def __init__(self, comm: MPI.Intracomm, *, jit: bool, check: bool = False):
+    def __init__(self, comm: MPI.Intracomm, *, jit: bool, check: bool = False, live=False):
         from jaxcomm import JaxComm
 
         self.mpi_comm = comm
         self.comm = JaxComm(comm, check=check)
         self.jit = jit
-        self.name = ("jaxcomm-jit" if jit else "jaxcomm-eager") + ("-check" if check else "")
+        self.live = live
+        self.name = jit_name("jaxcomm", jit, live) + ("-check" if check else "")
 
     def _call(self, op):
         comm = self.comm
@@ -339,19 +349,20 @@ class JaxcommBackend(Backend):
         return getattr(comm, op)
 
     def case(self, op, count):
-        return jax_case(op, count, self._call, jit=self.jit, comm=self.mpi_comm)
+        return jax_case(op, count, self._call, jit=self.jit, comm=self.mpi_comm, live=self.live)
 
 
 class Mpi4jaxBackend(Backend):
     """mpi4jax >= 0.7 (no tokens). It has no reduce_scatter and no non-blocking ops."""
 
-    def __init__(self, comm: MPI.Intracomm, *, jit: bool):
+    def __init__(self, comm: MPI.Intracomm, *, jit: bool, live: bool = False):
         import mpi4jax
 
         self.m = mpi4jax
         self.comm = comm
         self.jit = jit
-        self.name = "mpi4jax-jit" if jit else "mpi4jax-eager"
+        self.live = live
+        self.name = jit_name("mpi4jax", jit, live)
 
     def _call(self, op):
         m, comm = self.m, self.comm
@@ -368,7 +379,7 @@ class Mpi4jaxBackend(Backend):
     def case(self, op, count):
         if op == "reduce_scatter" or op in NONBLOCKING:
             return None
-        return jax_case(op, count, self._call, jit=self.jit, comm=self.comm)
+        return jax_case(op, count, self._call, jit=self.jit, comm=self.comm, live=self.live)
 
 
 def mpi4jax_available() -> bool:

@@ -72,7 +72,9 @@ def make_backends(comm: MPI.Intracomm, wanted: set[str], build_dir: Path) -> lis
     found: list[B.Backend] = [B.RawMPI(comm, library or B.build_raw_mpi(build_dir)), B.Mpi4py(comm)]
     if B.mpi4jax_available():
         found += [B.Mpi4jaxBackend(comm, jit=True), B.Mpi4jaxBackend(comm, jit=False)]
+        found.append(B.Mpi4jaxBackend(comm, jit=True, live=True))
     found += [B.JaxcommBackend(comm, jit=True), B.JaxcommBackend(comm, jit=False)]
+    found.append(B.JaxcommBackend(comm, jit=True, live=True))
     if "jaxcomm-jit-check" in wanted:  # checking mode's cost: only when asked for
         found.append(B.JaxcommBackend(comm, jit=True, check=True))
     if B.DEVICE is not None and B.DEVICE.platform != "cpu":

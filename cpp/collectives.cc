@@ -7,6 +7,7 @@
 // library's I-collective; their wait completes it (requests.h).
 #include <mpi.h>
 
+#include <cstring>
 #include <functional>
 #include <string_view>
 #include <utility>
@@ -224,30 +225,36 @@ ffi::Error Barrier(Token, TokenOut, int64_t comm_key, bool check) {
   return ffi::Error::Success();
 }
 
-// -- non-blocking forms: `keep` is x passed through (XLA aliases it), so that x
-// stays alive and unchanged until the wait, and out is never x; but ibcast works
-// in place (inside jit, out is x's buffer), as MPI_Ibcast does.
+// -- non-blocking forms: MPI reads and writes buffers the pending request owns
+// (requests.h): the start copies x into one, the wait copies the result out.
+// XLA still passes x through as `keep` (or, for ibcast, as `out`), which the
+// handlers ignore.
 
 namespace {
 
-// The pending collective whose result MPI writes into out; `finish` edits it
-// once complete.
-Pending pending_into(std::string_view operation, int64_t comm_key, bool check, Result& out,
-                     std::function<void()> finish = nullptr) {
-  Pending pending{operation, comm_key, check};
-  pending.out = out->untyped_data();
-  if (finish)
-    pending.finish = [finish = std::move(finish)](Call&, const MPI_Status*, int32_t*) {
-      finish();
-      return ffi::Error::Success();
-    };
-  return pending;
+// The pending collective whose result MPI writes into a buffer it owns, of
+// out's size; `finish` edits that result once complete. Returns where x's copy
+// and the result are.
+struct Owned {
+  Pending pending;
+  const char* in;
+  char* result;
+};
+
+Owned own_buffers(std::string_view operation, int64_t comm_key, bool check, const Buffer& x,
+                  Result& out) {
+  Owned owned{Pending{operation, comm_key, check}, nullptr, nullptr};
+  owned.in = owned.pending.own_copy(x.untyped_data(), x.size_bytes());
+  owned.result = owned.pending.own_result(out->size_bytes());
+  return owned;
 }
 
 // Logical results become 0 or 1 once the reduction is complete.
-std::function<void()> normalize_later(Result& out, int32_t op) {
-  return [data = out->untyped_data(), dtype = out->element_type(), n = out->element_count(), op] {
+void normalize_later(Owned& owned, Result& out, int32_t op) {
+  owned.pending.finish = [data = owned.result, dtype = out->element_type(),
+                          n = out->element_count(), op](Call&, const MPI_Status*, int32_t*) {
     normalize_logical(data, dtype, n, op);
+    return ffi::Error::Success();
   };
 }
 
@@ -258,14 +265,16 @@ ffi::Error Iallreduce(Token, Buffer x, TokenOut, Result out, Result request, Res
   Call call(comm_key, check, "iallreduce", x);
   auto [error, comm, type, mpi] = start_reduction(call, x, op);
   if (error.failure()) return error;
-  Pending pending = pending_into("iallreduce", comm_key, check, out, normalize_later(out, op));
-  JAXCOMM_CHECK_MPI(reduce_pieces(x.untyped_data(), out->untyped_data(), x.element_count(), type,
+  Owned owned = own_buffers("iallreduce", comm_key, check, x, out);
+  normalize_later(owned, out, op);
+  auto& requests = owned.pending.requests;
+  JAXCOMM_CHECK_MPI(reduce_pieces(owned.in, owned.result, x.element_count(), type,
                                   [&](const void* i, void* o, int n) {
                                     return MPI_Iallreduce(i, o, n, type, mpi, comm,
-                                                          &pending.requests.emplace_back());
+                                                          &requests.emplace_back());
                                   }),
                     "iallreduce", comm);
-  return post(request->untyped_data(), std::move(pending));
+  return post(request->untyped_data(), std::move(owned.pending));
 }
 
 ffi::Error IreduceScatter(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
@@ -278,26 +287,28 @@ ffi::Error IreduceScatter(Token, Buffer x, TokenOut, Result out, Result request,
     return invalid_argument("ireduce_scatter",
                             "rows of more than 2^31 - 1 elements; use "
                             "reduce_scatter");
-  Pending pending = pending_into("ireduce_scatter", comm_key, check, out, normalize_later(out, op));
-  JAXCOMM_CHECK_MPI(
-      MPI_Ireduce_scatter_block(x.untyped_data(), out->untyped_data(), static_cast<int>(block),
-                                type, mpi, comm, &pending.requests.emplace_back()),
-      "ireduce_scatter", comm);
-  return post(request->untyped_data(), std::move(pending));
+  Owned owned = own_buffers("ireduce_scatter", comm_key, check, x, out);
+  normalize_later(owned, out, op);
+  JAXCOMM_CHECK_MPI(MPI_Ireduce_scatter_block(owned.in, owned.result, static_cast<int>(block), type,
+                                              mpi, comm, &owned.pending.requests.emplace_back()),
+                    "ireduce_scatter", comm);
+  return post(request->untyped_data(), std::move(owned.pending));
 }
 
+// MPI_Ibcast works in one buffer: the root's holds a copy of x.
 ffi::Error Ibcast(Token, Buffer x, TokenOut, Result out, Result request, int64_t comm_key,
                   bool check, int32_t root) {
   Call call(comm_key, check, "ibcast", x);
   auto [error, comm, type] = start(call.param("root", root), x);
   if (error.failure()) return error;
-  if (comm_rank(comm) == root) copy_if_distinct(out, x);
-  Pending pending = pending_into("ibcast", comm_key, check, out);
+  Pending pending{"ibcast", comm_key, check};
+  char* data = pending.own_result(out->size_bytes());
+  if (comm_rank(comm) == root) std::memcpy(data, x.untyped_data(), x.size_bytes());
   const size_t width = ffi::ByteWidth(x.element_type());
   JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
                                    [&](int64_t offset, int n) {
-                                     return MPI_Ibcast(bytes(out) + offset * width, n, type, root,
-                                                       comm, &pending.requests.emplace_back());
+                                     return MPI_Ibcast(data + offset * width, n, type, root, comm,
+                                                       &pending.requests.emplace_back());
                                    }),
                     "ibcast", comm);
   return post(request->untyped_data(), std::move(pending));
@@ -316,13 +327,12 @@ ffi::Error exchange_blocks(const Buffer& x, Result& out, Result& request, int64_
   if (error.failure()) return error;
   // MPI lets a datatype be freed (Block's destructor) while a request uses it.
   Block block(x.element_count() / (kAlltoall ? comm_size(comm) : 1), type);
-  Pending pending = pending_into(name, comm_key, check, out);
+  Owned owned = own_buffers(name, comm_key, check, x, out);
   auto* post_blocks = kAlltoall ? &MPI_Ialltoall : &MPI_Iallgather;
-  JAXCOMM_CHECK_MPI(
-      post_blocks(x.untyped_data(), block.count(), block.type(), out->untyped_data(), block.count(),
-                  block.type(), comm, &pending.requests.emplace_back()),
-      name, comm);
-  return post(request->untyped_data(), std::move(pending));
+  JAXCOMM_CHECK_MPI(post_blocks(owned.in, block.count(), block.type(), owned.result, block.count(),
+                                block.type(), comm, &owned.pending.requests.emplace_back()),
+                    name, comm);
+  return post(request->untyped_data(), std::move(owned.pending));
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <string_view>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "call.h"
@@ -24,8 +25,26 @@
 namespace nb = nanobind;
 
 namespace jaxcomm {
+namespace {
+
+// A handler called by XLA: when it fails, its computation ends before the waits
+// of the requests it posted (requests.h, abandon_compiled).
+template <auto Function>
+struct Compiled;
+
+template <typename... Args, ffi::Error (*Function)(Args...)>
+struct Compiled<Function> {
+  static ffi::Error Run(Args... args) {
+    ffi::Error error = Function(std::move(args)...);
+    if (error.failure()) host::abandon_compiled();
+    return error;
+  }
+};
+
+}  // namespace
+
 #define JAXCOMM_DEFINE_CPU_HANDLER(name, function, binding, attributes) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name, host::function, binding attributes);
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name, Compiled<&host::function>::Run, binding attributes);
 JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind(), JAXCOMM_BIND_ATTRIBUTE)
 JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind(), JAXCOMM_BIND_ATTRIBUTE)
 JAXCOMM_DEFINE_CPU_HANDLER(wait, Wait, waiting(ffi::Ffi::Bind()), )
@@ -234,10 +253,10 @@ class EagerCall {
 
 // Where the memory of `array` (a NumPy array or jax.Array; None: nowhere) is. The
 // caller keeps the array alive while it uses the address.
-const void* address_of(nb::handle array) {
+void* address_of(nb::handle array, bool writable = false) {
   if (array.is_none()) return nullptr;
   HeldBuffer held;
-  held.describe(array, 0, /*writable=*/false);
+  held.describe(array, 0, writable);
   return held.buffer.data;
 }
 
@@ -247,7 +266,7 @@ const void* address_of(nb::handle array) {
 std::tuple<std::string, std::string, int, int> complete(nb::handle request, nb::handle out) {
   int32_t status[2] = {MPI_PROC_NULL, MPI_ANY_TAG};
   const void* key = address_of(request);
-  const void* result = address_of(out);
+  void* result = address_of(out, /*writable=*/true);
   ffi::Error error = ffi::Error::Success();
   {
     nb::gil_scoped_release unlocked;
@@ -349,6 +368,8 @@ NB_MODULE(_jaxcomm_cpu, m) {
         jaxcomm::host::discard(key);
       },
       nb::arg("request"), "Drop a non-blocking operation that will never be waited.");
+  m.def("unfinished_orphans", &jaxcomm::host::unfinished_orphans,
+        "Drop every request still pending; how many MPI has not completed yet.");
   m.def("mpi_library_version", &library_version,
         "MPI_Get_library_version of the libmpi this module is linked to.");
   m.def("mpi_initialized", &initialized,

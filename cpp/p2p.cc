@@ -1,12 +1,12 @@
-// The point-to-point handlers on host memory: send, recv and sendrecv, which
-// post MPI's nonblocking calls and wait for them by polling (wait_all: it costs
-// less than MPI's blocking calls for small messages), and the starts of isend
+// The point-to-point handlers on host memory: send, recv and sendrecv (MPI's
+// blocking calls inside XLA; polled on the Python thread), and the starts of isend
 // and irecv, whose waits complete them (requests.h). A receive from
 // MPI_PROC_NULL gives zeros, so the output is always written; the status output
 // holds the sender's rank and the tag.
 #include <mpi.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -22,15 +22,32 @@
 namespace jaxcomm::host {
 namespace {
 
+// Inside XLA these are MPI's own blocking calls, as a C program makes them. An
+// eager call posts the message and polls it (wait_all), so that Ctrl-C ends the
+// wait: its send goes from a copy that jaxcomm owns, which an interrupted send
+// leaves to MPI as an orphan (requests.h; the message still leaves whole when
+// its receiver takes it), and its receive is cancelled.
+Pending sending(const void* data, int n, MPI_Datatype type) {
+  int width = 0;
+  MPI_Type_size(type, &width);
+  Pending pending{"send"};
+  pending.own_copy(data, static_cast<size_t>(n) * static_cast<size_t>(width));
+  return pending;
+}
+
 int send(const void* data, int n, MPI_Datatype type, int dest, int tag, MPI_Comm comm) {
-  MPI_Request request;
+  if (!interruptible()) return MPI_Send(data, n, type, dest, tag, comm);
+  Pending pending = sending(data, n, type);
+  MPI_Request& request = pending.requests.emplace_back();
+  const int code = MPI_Isend(pending.buffers[0].data(), n, type, dest, tag, comm, &request);
+  if (code != MPI_SUCCESS) return code;
   MPI_Status status;
-  const int code = MPI_Isend(data, n, type, dest, tag, comm, &request);
-  return code == MPI_SUCCESS ? wait_all(1, &request, &status) : code;
+  return wait_all(1, &request, &status, true, [&] { orphan(std::move(pending)); });
 }
 
 int recv(void* data, int n, MPI_Datatype type, int source, int tag, MPI_Comm comm,
          MPI_Status* status) {
+  if (!interruptible()) return MPI_Recv(data, n, type, source, tag, comm, status);
   MPI_Request request;
   const int code = MPI_Irecv(data, n, type, source, tag, comm, &request);
   return code == MPI_SUCCESS ? wait_all(1, &request, status) : code;
@@ -39,16 +56,24 @@ int recv(void* data, int n, MPI_Datatype type, int source, int tag, MPI_Comm com
 int sendrecv(const void* send_data, int send_n, MPI_Datatype send_type, int dest, int send_tag,
              void* recv_data, int recv_n, MPI_Datatype recv_type, int source, int recv_tag,
              MPI_Comm comm, MPI_Status* status) {
+  if (!interruptible())
+    return MPI_Sendrecv(send_data, send_n, send_type, dest, send_tag, recv_data, recv_n, recv_type,
+                        source, recv_tag, comm, status);
+  Pending sent = sending(send_data, send_n, send_type);
   MPI_Request requests[2];
   MPI_Status statuses[2];
   int code = MPI_Irecv(recv_data, recv_n, recv_type, source, recv_tag, comm, &requests[0]);
   if (code != MPI_SUCCESS) return code;
-  code = MPI_Isend(send_data, send_n, send_type, dest, send_tag, comm, &requests[1]);
+  code = MPI_Isend(sent.buffers[0].data(), send_n, send_type, dest, send_tag, comm, &requests[1]);
   if (code != MPI_SUCCESS) {
     abandon(&requests[0]);
     return code;
   }
-  code = wait_all(2, requests, statuses);
+  code = wait_all(2, requests, statuses, true, [&] {
+    abandon(&requests[0]);
+    sent.requests.push_back(requests[1]);
+    orphan(std::move(sent));
+  });
   *status = statuses[0];
   return code;
 }
@@ -222,6 +247,8 @@ ffi::Error TaggedSendrecv(Token token, Buffer x, Buffer tags, TokenOut token_out
   return Sendrecv(token, x, token_out, out, status, comm_key, check, source, dest, sendtag, tag[1]);
 }
 
+// isend and irecv post on buffers their pending request owns (requests.h): isend
+// sends a copy of x; irecv receives into a buffer that the wait copies out.
 ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result /*keep*/, int64_t comm_key,
                  bool check, int32_t dest, int32_t tag) {
   Call call(comm_key, check, "isend", x);
@@ -230,7 +257,6 @@ ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result /*keep*/, int
   MPI_Datatype type;
   if (auto err = datatype_of(x, "isend", &type); err.failure()) return err;
   Pending pending{"isend", comm_key, check};
-  pending.cancellable = true;
   // Only checking mode sends a header; it lives as long as the requests, which
   // end with `finish`.
   auto header = check ? std::make_shared<Call::MessageHeader>() : nullptr;
@@ -240,11 +266,12 @@ ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result /*keep*/, int
     return err;
   if (header)
     pending.finish = [header](Call&, const MPI_Status*, int32_t*) { return ffi::Error::Success(); };
+  const char* data = pending.own_copy(x.untyped_data(), x.size_bytes());
   // In pieces as send splits them, so that a blocking recv can match an isend.
   const size_t width = ffi::ByteWidth(x.element_type());
   JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
                                    [&](int64_t offset, int n) {
-                                     return MPI_Isend(bytes(x) + offset * width, n, type, dest, tag,
+                                     return MPI_Isend(data + offset * width, n, type, dest, tag,
                                                       comm, &pending.requests.emplace_back());
                                    }),
                     "isend", comm);
@@ -265,11 +292,12 @@ ffi::Error Irecv(Token, Buffer /*like*/, TokenOut, Result out, Result request, i
   const int64_t count = out->element_count();
   if (source == MPI_ANY_SOURCE && (check || pieces(count) > 1))
     return invalid_argument("irecv", "MPI.ANY_SOURCE needs one message without checking mode");
-  if (source == MPI_PROC_NULL) zero(out);
-  const bool header = check && source != MPI_PROC_NULL;
-  auto incoming = std::make_shared<Call::MessageHeader>();
   Pending pending{"irecv", comm_key, check};
   pending.cancellable = true;
+  char* data = pending.own_result(out->size_bytes());
+  if (source == MPI_PROC_NULL) std::memset(data, 0, out->size_bytes());
+  const bool header = check && source != MPI_PROC_NULL;
+  auto incoming = std::make_shared<Call::MessageHeader>();
   if (header)
     JAXCOMM_CHECK_MPI(MPI_Irecv(incoming.get(), sizeof *incoming, MPI_BYTE, source, tag, comm,
                                 &pending.requests.emplace_back()),
@@ -277,14 +305,20 @@ ffi::Error Irecv(Token, Buffer /*like*/, TokenOut, Result out, Result request, i
   const size_t width = ffi::ByteWidth(out->element_type());
   JAXCOMM_CHECK_MPI(for_each_piece(count,
                                    [&](int64_t offset, int n) {
-                                     return MPI_Irecv(bytes(out) + offset * width, n, type, source,
-                                                      tag, comm, &pending.requests.emplace_back());
+                                     return MPI_Irecv(data + offset * width, n, type, source, tag,
+                                                      comm, &pending.requests.emplace_back());
                                    }),
                     "irecv", comm);
   std::vector<int64_t> dims(out->dimensions().begin(), out->dimensions().end());
-  pending.out = out->untyped_data();
-  pending.finish = [=, dtype = out->element_type()](Call& done, const MPI_Status* statuses,
-                                                    int32_t* status) -> ffi::Error {
+  const ffi::DataType dtype = out->element_type();
+  if (header)
+    // A message larger than the buffer fails MPI's receive; its header, which came
+    // first, names both sides.
+    pending.explain = [=](Call& done, const MPI_Status* statuses) {
+      if (statuses[0].MPI_ERROR != MPI_SUCCESS) return ffi::Error::Success();
+      return done.check_received(*incoming, statuses[0], dtype, dims);
+    };
+  pending.finish = [=](Call& done, const MPI_Status* statuses, int32_t* status) -> ffi::Error {
     if (header)
       if (auto err = done.check_received(*incoming, statuses[0], dtype, dims); err.failure())
         return err;

@@ -1,14 +1,19 @@
 #include "requests.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstring>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 
 #include "call.h"
 #include "jaxcomm/jaxcomm.h"
+#include "memory.h"
 #include "ops.h"
 
 namespace jaxcomm::host {
@@ -17,6 +22,9 @@ namespace {
 struct Table {
   std::mutex mutex;
   std::unordered_map<const void*, Pending> pending;
+  // Requests that will never be waited, kept with their buffers until MPI has
+  // completed them.
+  std::vector<Pending> orphans;
 };
 
 Table& table() {
@@ -28,11 +36,23 @@ thread_local bool (*interrupt_check)() = nullptr;
 
 std::string wait_name(std::string_view operation) { return "wait(" + std::string(operation) + ")"; }
 
-void drop(Pending& pending) {
-  for (MPI_Request& request : pending.requests) {
+// Frees the orphans that MPI has completed. The caller holds the table's lock.
+void reap(Table& t) {
+  std::erase_if(t.orphans, [](Pending& orphan) {
+    int done = 0;
+    MPI_Testall(static_cast<int>(orphan.requests.size()), orphan.requests.data(), &done,
+                MPI_STATUSES_IGNORE);
+    return done != 0;
+  });
+}
+
+// `pending` will never be waited: cancelled where MPI can, it stays an orphan
+// until MPI has completed it. The caller holds the table's lock.
+void orphan(Table& t, Pending pending) {
+  for (MPI_Request& request : pending.requests)
     if (pending.cancellable && request != MPI_REQUEST_NULL) MPI_Cancel(&request);
-    MPI_Wait(&request, MPI_STATUS_IGNORE);
-  }
+  t.orphans.push_back(std::move(pending));
+  reap(t);
 }
 
 ffi::Error nothing_pending(std::string_view what) {
@@ -56,39 +76,134 @@ MPI_Status* statuses_of(Pending& pending) {
   return pending.statuses.data();
 }
 
+// The first error among `statuses`, for MPI_ERR_IN_STATUS.
+int first_error(int n, const MPI_Status* statuses, int code) {
+  if (code != MPI_ERR_IN_STATUS) return code;
+  for (int i = 0; i < n; ++i)
+    if (statuses[i].MPI_ERROR != MPI_SUCCESS && statuses[i].MPI_ERROR != MPI_ERR_PENDING)
+      return statuses[i].MPI_ERROR;
+  return code;
+}
+
+// Released message buffers kept for reuse. A program with more messages in
+// flight at once than this allocates the rest afresh; the bound keeps what
+// jaxcomm holds between calls to the sizes of a program's own recent messages.
+constexpr size_t kept_buffers = 16;
+
+struct Kept {
+  std::mutex mutex;
+  std::vector<std::pair<char*, size_t>> buffers;  // (data, capacity)
+};
+
+Kept& kept() {
+  static Kept k;
+  return k;
+}
+
+constexpr size_t kAlignment = 64;
+
 }  // namespace
 
-// MPICH's blocking waits yield the core on every poll under MPI_THREAD_MULTIPLE,
-// which costs more than a small message itself; polling MPI_Testall does not,
-// and yielding after kPollsBeforeYield leaves a shared core to the other ranks
-// when the wait is long.
-// An interrupt check takes the GIL: a few microseconds every kPollsPerCheck
-// polls (a millisecond or so) costs a long wait nothing and answers Ctrl-C at once.
-int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, bool cancellable) {
-  constexpr int kPollsBeforeYield = 1000;
-  constexpr int kPollsPerCheck = 4096;
-  for (int polls = 0;; ++polls) {
+MessageBuffer::MessageBuffer(size_t bytes) : size_(bytes) {
+  {
+    Kept& k = kept();
+    std::lock_guard lock(k.mutex);
+    // The smallest kept buffer that fits.
+    auto best = k.buffers.end();
+    for (auto it = k.buffers.begin(); it != k.buffers.end(); ++it)
+      if (it->second >= bytes && (best == k.buffers.end() || it->second < best->second)) best = it;
+    if (best != k.buffers.end()) {
+      std::tie(data_, capacity_) = *best;
+      k.buffers.erase(best);
+      return;
+    }
+  }
+  capacity_ = std::max(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+  data_ = static_cast<char*>(::operator new(capacity_, std::align_val_t(kAlignment)));
+}
+
+MessageBuffer::~MessageBuffer() {
+  if (data_ == nullptr) return;
+  std::pair<char*, size_t> dropped{data_, capacity_};
+  {
+    Kept& k = kept();
+    std::lock_guard lock(k.mutex);
+    k.buffers.emplace_back(data_, capacity_);
+    if (k.buffers.size() <= kept_buffers) return;
+    dropped = k.buffers.front();  // the one released longest ago
+    k.buffers.erase(k.buffers.begin());
+  }
+  ::operator delete(dropped.first, std::align_val_t(kAlignment));
+}
+
+MessageBuffer::MessageBuffer(MessageBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      capacity_(std::exchange(other.capacity_, 0)) {}
+
+MessageBuffer& MessageBuffer::operator=(MessageBuffer&& other) noexcept {
+  MessageBuffer old(std::move(*this));
+  data_ = std::exchange(other.data_, nullptr);
+  size_ = std::exchange(other.size_, 0);
+  capacity_ = std::exchange(other.capacity_, 0);
+  return *this;
+}
+
+char* Pending::own(size_t bytes) { return buffers.emplace_back(bytes).data(); }
+
+char* Pending::own_copy(const void* from, size_t bytes) {
+  char* to = own(bytes);
+  if (bytes > 0) std::memcpy(to, from, bytes);
+  return to;
+}
+
+char* Pending::own_result(size_t bytes) {
+  char* to = own(bytes);
+  result = to;
+  result_bytes = bytes;
+  return to;
+}
+
+// Off the Python thread: MPI's own wait. On it: polls, yielding the core between
+// polls and, once the wait has lasted kSpinFor, sleeping kNap between them, so a
+// rank waiting for another on a shared core leaves it the core. A poll that
+// checks for Ctrl-C takes the GIL (a few microseconds), every kCheckEvery.
+int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, bool cancellable,
+             const std::function<void()>& on_interrupt) {
+  if (!interruptible()) return first_error(n, statuses, MPI_Waitall(n, requests, statuses));
+  using Clock = std::chrono::steady_clock;
+  // Long enough for a small message's round trip, short against a person's reaction.
+  constexpr auto kSpinFor = std::chrono::microseconds(200);
+  constexpr auto kNap = std::chrono::microseconds(50);
+  constexpr auto kCheckEvery = std::chrono::milliseconds(20);
+  const auto start = Clock::now();
+  auto checked = start;
+  for (;;) {
     int done = 0;
     const int code = test_all(n, requests, statuses, &done);
     if (code != MPI_SUCCESS || done) return code;
-    if (polls >= kPollsBeforeYield) std::this_thread::yield();
-    if (cancellable && interrupt_check != nullptr && polls % kPollsPerCheck == kPollsPerCheck - 1 &&
-        interrupt_check()) {
-      // Cancelled requests complete locally; then MPI no longer uses the buffers.
-      for (int i = 0; i < n; ++i) abandon(&requests[i]);
-      return MPI_ERR_OTHER;
+    const auto now = Clock::now();
+    if (now - start < kSpinFor) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(kNap);
     }
+    if (now - checked < kCheckEvery) continue;
+    checked = now;
+    if (!cancellable || !interrupt_check()) continue;
+    if (on_interrupt) {
+      on_interrupt();
+    } else {
+      for (int i = 0; i < n; ++i) abandon(&requests[i]);
+    }
+    return MPI_ERR_OTHER;
   }
 }
 
+bool interruptible() { return interrupt_check != nullptr; }
+
 int test_all(int n, MPI_Request* requests, MPI_Status* statuses, int* done) {
-  const int code = MPI_Testall(n, requests, done, statuses);
-  if (code == MPI_ERR_IN_STATUS) {
-    for (int i = 0; i < n; ++i)
-      if (statuses[i].MPI_ERROR != MPI_SUCCESS && statuses[i].MPI_ERROR != MPI_ERR_PENDING)
-        return statuses[i].MPI_ERROR;
-  }
-  return code;
+  return first_error(n, statuses, MPI_Testall(n, requests, done, statuses));
 }
 
 CheckInterrupts::CheckInterrupts(bool (*interrupted)()) : previous_(interrupt_check) {
@@ -104,36 +219,50 @@ void abandon(MPI_Request* request) {
 }
 
 ffi::Error post(const void* key, Pending pending) {
-  Pending stale;
-  bool found = false;
-  {
-    Table& t = table();
-    std::lock_guard lock(t.mutex);
-    auto [at, inserted] = t.pending.try_emplace(key, std::move(pending));
-    if (!inserted) {
-      found = true;
-      stale = std::exchange(at->second, std::move(pending));
-    }
-  }
-  if (!found) return ffi::Error::Success();
-  drop(stale);
-  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                    "jaxcomm: a request of " + std::string(stale.operation) +
-                        " was never waited (wait for every request before the function "
-                        "that posted it returns); it has been dropped");
+  pending.compiled = interrupt_check == nullptr;
+  Table& t = table();
+  std::lock_guard lock(t.mutex);
+  auto [at, inserted] = t.pending.try_emplace(key, std::move(pending));
+  if (!inserted) orphan(t, std::exchange(at->second, std::move(pending)));
+  if (!t.orphans.empty()) reap(t);
+  return ffi::Error::Success();
+}
+
+void orphan(Pending pending) {
+  Table& t = table();
+  std::lock_guard lock(t.mutex);
+  orphan(t, std::move(pending));
 }
 
 void discard(const void* key) {
-  Pending pending;
-  {
-    Table& t = table();
-    std::lock_guard lock(t.mutex);
-    auto at = t.pending.find(key);
-    if (at == t.pending.end()) return;
-    pending = std::move(at->second);
-    t.pending.erase(at);
+  Table& t = table();
+  std::lock_guard lock(t.mutex);
+  auto at = t.pending.find(key);
+  if (at == t.pending.end()) return;
+  orphan(t, std::move(at->second));
+  t.pending.erase(at);
+}
+
+void abandon_compiled() {
+  Table& t = table();
+  std::lock_guard lock(t.mutex);
+  for (auto at = t.pending.begin(); at != t.pending.end();) {
+    if (!at->second.compiled) {
+      ++at;
+      continue;
+    }
+    orphan(t, std::move(at->second));
+    at = t.pending.erase(at);
   }
-  drop(pending);
+}
+
+int unfinished_orphans() {
+  Table& t = table();
+  std::lock_guard lock(t.mutex);
+  for (auto& [key, pending] : t.pending) orphan(t, std::move(pending));
+  t.pending.clear();
+  reap(t);
+  return static_cast<int>(t.orphans.size());
 }
 
 ffi::Error test(const void* key, bool* done) {
@@ -155,7 +284,7 @@ ffi::Error test(const void* key, bool* done) {
   return ffi::Error::Success();
 }
 
-ffi::Error complete(const void* key, const void* out, int32_t* status) {
+ffi::Error complete(const void* key, void* out, int32_t* status) {
   Pending pending;
   {
     Table& t = table();
@@ -164,21 +293,31 @@ ffi::Error complete(const void* key, const void* out, int32_t* status) {
     if (at == t.pending.end()) return nothing_pending("wait");
     pending = std::move(at->second);
     t.pending.erase(at);
+    if (!t.orphans.empty()) reap(t);
   }
   const std::string name = wait_name(pending.operation);
   Call call(pending.comm_key, pending.check, name);
   MPI_Status* statuses = statuses_of(pending);
   if (!pending.done) {
     const int n = static_cast<int>(pending.requests.size());
-    JAXCOMM_CHECK_MPI(wait_all(n, pending.requests.data(), statuses, pending.cancellable), name,
-                      call.comm());
+    for (int i = 0; i < n; ++i) statuses[i].MPI_ERROR = MPI_ERR_PENDING;
+    bool interrupted = false;
+    // Interrupting is safe for every operation: an orphan keeps its buffers.
+    const int code = wait_all(n, pending.requests.data(), statuses, /*cancellable=*/true,
+                              [&] { interrupted = true; });
+    if (interrupted) {
+      orphan(std::move(pending));
+      return ffi::Error(ffi::ErrorCode::kCancelled, "jaxcomm: " + name + ": interrupted");
+    }
+    if (code != MPI_SUCCESS && pending.explain)
+      if (auto err = pending.explain(call, statuses); err.failure()) return err;
+    JAXCOMM_CHECK_MPI(code, name, call.comm());
   }
-  if (out != nullptr && pending.out != nullptr && out != pending.out)
-    return ffi::Error(ffi::ErrorCode::kInternal,
-                      "jaxcomm: " + name +
-                          ": XLA moved the result buffer between the start and the wait; "
-                          "the result is lost. Please report this.");
-  return pending.finish ? pending.finish(call, statuses, status) : ffi::Error::Success();
+  if (pending.finish)
+    if (auto err = pending.finish(call, statuses, status); err.failure()) return err;
+  if (out != nullptr && pending.result_bytes > 0)
+    memory().copy(out, pending.result, pending.result_bytes);
+  return ffi::Error::Success();
 }
 
 }  // namespace jaxcomm::host
@@ -186,7 +325,7 @@ ffi::Error complete(const void* key, const void* out, int32_t* status) {
 namespace jaxcomm::host {
 
 ffi::Error Wait(Token, Buffer request, ffi::RemainingArgs, TokenOut, ffi::RemainingRets results) {
-  const void* out = nullptr;
+  void* out = nullptr;
   int32_t* status = nullptr;
   if (results.size() > 0) {
     auto result = results.get<ffi::AnyBuffer>(0);

@@ -1,16 +1,25 @@
 // MPI requests: waiting for them, abandoning them, and the requests that a
 // non-blocking operation's start leaves pending for its wait.
 //
+// A pending operation's messages live in memory that jaxcomm owns (MessageBuffer)
+// from the start until MPI has finished with them: the start copies what MPI
+// reads into it, the wait copies what MPI wrote out of it. So MPI never touches a
+// buffer that XLA or the user can free, donate or reuse, whatever the program
+// does with the request (drops it, waits in one branch only, fails before the
+// wait). A request that is never waited becomes an orphan: cancelled where MPI can,
+// and kept with its buffers until MPI has completed it.
+//
 // A pending request is known by the address of the one-element buffer that the
-// start returns and the wait takes: XLA keeps that buffer alive, at one address,
-// from the start to the wait, and no other live buffer shares it.
+// start returns and the wait takes.
 #ifndef JAXCOMM_REQUESTS_H_
 #define JAXCOMM_REQUESTS_H_
 
 #include <mpi.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string_view>
 #include <vector>
 
@@ -21,11 +30,20 @@ namespace jaxcomm::host {
 
 namespace ffi = xla::ffi;
 
-// Waits for `n` requests by polling MPI_Testall, leaving the core to other ranks
-// between polls once the wait is long. Returns an MPI error code; MPI_ERR_OTHER
-// if this thread's interrupt check (below) fired, after cancelling the requests
-// (only point-to-point requests are `cancellable`: MPI cannot cancel collectives).
-int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, bool cancellable = true);
+// Waits for `n` requests. Off the Python thread (inside XLA) this is MPI_Waitall:
+// the MPI library's own waiting policy, which its settings tune. On the Python
+// thread (eager calls) it polls, so that Ctrl-C can end the wait, and leaves the
+// core to other processes between polls. Returns an MPI error code, with the
+// error of the first failed request rather than MPI_ERR_IN_STATUS; MPI_ERR_OTHER
+// if this thread's interrupt check (below) fired. Then the requests that are not
+// complete are still active: `on_interrupt` takes them (cancelled where
+// `cancellable`), or, if it is null, they are cancelled and waited for.
+int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, bool cancellable = true,
+             const std::function<void()>& on_interrupt = nullptr);
+
+// Whether waits on this thread poll, to let Ctrl-C end them (an eager call on the
+// Python thread), rather than call MPI's blocking functions.
+bool interruptible();
 
 // MPI_Testall, with the error of the first failed request rather than
 // MPI_ERR_IN_STATUS. `*done` is whether all `n` have completed.
@@ -48,40 +66,94 @@ class CheckInterrupts {
 // may still use its buffer. A completed (null) request is left as it is.
 void abandon(MPI_Request* request);
 
+// Memory of `bytes` bytes that jaxcomm owns, for the messages of a pending
+// operation; 64-byte aligned, as XLA's buffers are. Released buffers are kept
+// for reuse (kept_buffers in requests.cc), so that a loop posting the same
+// messages neither allocates nor faults in fresh pages on each post.
+class MessageBuffer {
+ public:
+  explicit MessageBuffer(size_t bytes);
+  ~MessageBuffer();
+  MessageBuffer(MessageBuffer&&) noexcept;
+  MessageBuffer& operator=(MessageBuffer&&) noexcept;
+  MessageBuffer(const MessageBuffer&) = delete;
+  MessageBuffer& operator=(const MessageBuffer&) = delete;
+
+  char* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  char* data_ = nullptr;
+  size_t size_ = 0;
+  size_t capacity_ = 0;
+};
+
 // What a start leaves for its wait.
 struct Pending {
   std::string_view operation;  // "iallreduce", ...: a static name
   int64_t comm_key = 0;
   bool check = false;
   std::vector<MPI_Request> requests;
-  bool cancellable = false;   // point to point (MPI cannot cancel a collective)
-  const void* out = nullptr;  // where MPI writes the result, if anywhere
+  // A receive, which an orphan cancels. (A send is not cancelled: like a request
+  // freed with MPI_Request_free, it still leaves whole when its receiver takes it.
+  // MPI cannot cancel a collective.)
+  bool cancellable = false;
+  bool compiled = false;  // posted inside XLA (not by an eager call): set by post()
+  // The memory MPI reads and writes until the requests complete.
+  std::vector<MessageBuffer> buffers;
+  // Where, among `buffers`, the result is: copied to the wait's output.
+  const char* result = nullptr;
+  size_t result_bytes = 0;
   // Set once `test` has found every request complete, with their statuses: MPI
   // has released the requests, so the wait only finishes.
   bool done = false;
   std::vector<MPI_Status> statuses;
-  // Runs once the requests are complete, with their statuses: checks the
-  // received count, normalises logical results, fills in the status.
+  // Runs once the requests are complete, with their statuses, before the result
+  // is copied out: checks the received count, normalises logical results, fills
+  // in the status.
   std::function<ffi::Error(Call& wait, const MPI_Status* statuses, int32_t* status)> finish;
+  // Runs when the wait fails, with the statuses MPI_Waitall left (MPI_ERR_PENDING
+  // where a request did not complete): a better error than MPI's, if it has one.
+  std::function<ffi::Error(Call& wait, const MPI_Status* statuses)> explain;
+
+  // A buffer of `bytes` bytes that lives as long as the requests need it.
+  char* own(size_t bytes);
+  // The same holding a copy of `bytes` bytes at `from`.
+  char* own_copy(const void* from, size_t bytes);
+  // Owns the result buffer: MPI writes `bytes` bytes there, the wait copies them out.
+  char* own_result(size_t bytes);
 };
 
-// Records `pending` under `key`. A request already pending there was never
-// waited (its buffer was freed and the address reused): it is abandoned and the
-// error says so.
+// Records `pending` under `key`. A request still pending there was never waited
+// (the computation that posted it failed before its wait): it becomes an orphan.
 ffi::Error post(const void* key, Pending pending);
 
-// Drops the requests recorded under `key`, if any: cancels them where MPI can,
-// and waits until MPI no longer uses their buffers.
+// `pending` will never be waited: it becomes an orphan (a receive is cancelled).
+void orphan(Pending pending);
+
+// Drops the requests recorded under `key`, if any, without waiting: they become
+// orphans (a receive is cancelled).
 void discard(const void* key);
 
 // Whether the requests recorded under `key` have completed, without waiting;
 // polling this also lets MPI progress them. The wait must still follow.
 ffi::Error test(const void* key, bool* done);
 
-// Waits for the requests recorded under `key` and finishes them. `out` is where
-// the caller expects the result (null: anywhere); `status` receives (source, tag)
-// of a receive, if not null.
-ffi::Error complete(const void* key, const void* out, int32_t* status);
+// Waits for the requests recorded under `key`, finishes them and copies the
+// result to `out` (null: nowhere); `status` receives (source, tag) of a receive,
+// if not null. Interrupted, the requests become orphans.
+ffi::Error complete(const void* key, void* out, int32_t* status);
+
+// A handler inside XLA failed: its computation ends before the waits of the
+// requests it posted, which become orphans, so that a receive left posted takes
+// no later message. (jaxcomm's ordered effect runs one computation's operations
+// at a time, and a request never outlives the computation that posted it.)
+void abandon_compiled();
+
+// Orphans that MPI has not completed by now (each is cancelled where MPI can, and
+// tested once more). They keep their buffers: at exit, MPI_Finalize may still
+// complete them.
+int unfinished_orphans();
 
 }  // namespace jaxcomm::host
 

@@ -25,7 +25,7 @@ import jax
 from jax.experimental import io_callback
 from mpi4py import MPI
 
-from jaxcomm import _native
+from jaxcomm import _native, _requests
 from jaxcomm._kernels import build_flags, register_kernel
 from jaxcomm._native import MPILibraryMismatchError
 from jaxcomm._ops import DTYPES, ReduceOp
@@ -80,8 +80,10 @@ __all__ = [
     "waitall",
 ]
 
-# Finish pending jaxcomm operations before mpi4py's own exit hook (registered
-# earlier, so run later) finalises MPI; otherwise a rank can hang at exit.
+# Before mpi4py's own exit hook (registered earlier, so run later) finalises MPI:
+# finish pending jaxcomm operations (otherwise a rank can hang at exit), then drop
+# the requests that were never waited (atexit runs the last registered first).
+atexit.register(_requests.drop_at_exit)
 atexit.register(jax.effects_barrier)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from jax import core
 
 from jaxcomm._checks import ROOT
-from jaxcomm._primitive import CommInfo, comm_primitive, in_place, same_shape
+from jaxcomm._primitive import CommInfo, comm_primitive, same_shape
 from jaxcomm._replicated import pvary, replicated_cotangent
 from jaxcomm._rules import (
     batch_elementwise,
@@ -39,12 +39,28 @@ def _scatter_rows(comm: CommInfo, *, root: int) -> str | None:
     return "x on the root rank" if comm.rank == root else None
 
 
+def _root_in_place(x, *, comm: CommInfo, root: int):
+    # The root's result is x: in x's own buffer, it costs no copy where x is not
+    # needed afterwards. Elsewhere MPI overwrites the result, and x's buffer would
+    # only make XLA copy an x that is still needed.
+    return {0: 0} if comm.rank == root else None
+
+
+def _asked_in_place(x, *, in_place: bool = False, **_):
+    # MPI libraries' in-place alltoall exchanges through a temporary buffer, one
+    # peer at a time (MPICH: up to 2x the out-of-place call), and x's buffer makes
+    # XLA copy an x still needed: only a caller short of memory asks for it.
+    return {0: 0} if in_place else None
+
+
 _ROOT = {"root": ROOT}
-bcast_p = comm_primitive("bcast", same_shape, aliases=in_place, params=_ROOT, elementwise=True)
+bcast_p = comm_primitive(
+    "bcast", same_shape, aliases=_root_in_place, params=_ROOT, elementwise=True
+)
 gather_p = comm_primitive("gather", _gather_shape, params=_ROOT)
 allgather_p = comm_primitive("allgather", _stacked)
 scatter_p = comm_primitive("scatter", _scatter_shape, params=_ROOT, leading_axis=_scatter_rows)
-alltoall_p = comm_primitive("alltoall", same_shape, aliases=in_place, leading_axis="x")
+alltoall_p = comm_primitive("alltoall", same_shape, aliases=_asked_in_place, leading_axis="x")
 
 
 def bcast(x, *, comm: CommInfo, root: int):
@@ -67,9 +83,9 @@ def scatter(x, *, comm: CommInfo, root: int):
     return scatter_p.bind(x, comm=comm, root=root)[0]
 
 
-def alltoall(x, *, comm: CommInfo):
+def alltoall(x, *, comm: CommInfo, in_place: bool = False):
     """Row i of the result is rank i's row `rank`. x: (size, *s), result (size, *s)."""
-    return alltoall_p.bind(x, comm=comm)[0]
+    return alltoall_p.bind(x, comm=comm, in_place=in_place)[0]
 
 
 # -- transposes ------------------------------------------------------------------------
@@ -97,8 +113,8 @@ def _scatter_transpose(cts, x, *, comm, root):
     return [on_rank(comm.rank == root, stacked)]
 
 
-def _alltoall_transpose(cts, x, *, comm):
-    return [alltoall(instantiate(cts[0]), comm=comm)]
+def _alltoall_transpose(cts, x, *, comm, in_place=False):
+    return [alltoall(instantiate(cts[0]), comm=comm, in_place=in_place)]
 
 
 # -- batching: a rank axis stays leading so each rank's rows are contiguous -------------
@@ -120,9 +136,9 @@ def _scatter_batch(args, dims, *, comm, root):
     return scatter_p.bind(x, comm=comm, root=root), [0]
 
 
-def _alltoall_batch(args, dims, *, comm):
+def _alltoall_batch(args, dims, *, comm, in_place=False):
     (x,), (dim,) = args, dims
-    return alltoall_p.bind(move_batch(x, dim, 1), comm=comm), [1]
+    return alltoall_p.bind(move_batch(x, dim, 1), comm=comm, in_place=in_place), [1]
 
 
 for _primitive, _transpose, _batch in [

@@ -26,6 +26,7 @@ __all__ = [
     "ArrayImpl",
     "apply_primitive",
     "at_top_level",
+    "current_trace",
     "host_arrays",
     "lower_identity",
     "lower_with_token",
@@ -69,6 +70,13 @@ def apply_primitive(primitive: core.Primitive, *args: Any, **params: Any) -> Any
 def at_top_level() -> bool:
     """Whether JAX is evaluating eagerly: no trace (jit, grad, vmap...) is active."""
     return core.trace_ctx.is_top_level()
+
+
+def current_trace() -> Any:
+    """The trace that operations bound now join: a function being traced by jit,
+    grad, vmap, or a lax.cond branch or loop body, each its own; at top level,
+    JAX's evaluation trace."""
+    return core.trace_ctx.trace
 
 
 def host_arrays(aval: core.ShapedArray, device: Any) -> Callable[[np.ndarray], jax.Array]:

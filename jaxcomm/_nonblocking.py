@@ -5,13 +5,15 @@ Each non-blocking operation is derived from its blocking twin (same checks, same
 result shapes, same FFI attributes, the same messages for a pytree's small
 leaves) and is a pair of primitives:
 
-- ``jaxcomm_i<name>``: x -> (pending, request, keep). `pending` is the buffer MPI
-  writes the result into; `request` is a one-element buffer whose address names
-  the posted MPI request until the wait; `keep` is x passed through (aliased),
-  so that XLA keeps the data MPI reads alive and unchanged until the wait.
-  isend has no `pending`, irecv no `keep`.
+- ``jaxcomm_i<name>``: x -> (pending, request, keep). MPI reads and writes
+  buffers that jaxcomm owns until the request completes (the start copies x into
+  one; cpp/requests.h), so nothing XLA frees is ever MPI's. `pending` is the
+  buffer the wait writes the result into; `request` is a one-element buffer whose
+  address names the posted MPI request until the wait; `keep` is x passed
+  through (aliased), which the wait's AD rules read. isend has no `pending`,
+  irecv no `keep`.
 - ``jaxcomm_wait``: (request, keep, pending) -> result, aliased with `pending`,
-  plus the status for a receive. The wait checks that XLA kept `pending` in place.
+  plus the status for a receive.
 
 Both carry jaxcomm's ordered effect, so a start and its wait stay in program
 order with every other jaxcomm call, while computation that depends on neither
@@ -45,7 +47,7 @@ from jax.interpreters import ad, mlir
 from mpi4py import MPI
 
 from jaxcomm import _collectives, _p2p, _reductions, _replicated
-from jaxcomm._jax_internals import COMM_EFFECT, lower_with_token
+from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
 from jaxcomm._native import PLATFORMS, cpu
 from jaxcomm._ops import ReduceOp
 from jaxcomm._primitive import CommInfo, CommPrimitive, comm_primitive
@@ -78,8 +80,8 @@ RECEIVE = Kind(pending=True, keep=False, status=True)
 
 
 def _aliases(kind: Kind) -> dict[int, int] | None:
-    """Which output x's buffer becomes: keep (XLA keeps the data MPI reads alive
-    and unchanged until the wait), or pending. A receive's template is not
+    """Which output x's buffer becomes: keep (the wait's AD rules read it as x),
+    or pending (ibcast's result). A receive's template is not
     aliased: XLA would copy a template used afterwards, whose values MPI never
     reads."""
     if kind.keep:
@@ -109,27 +111,33 @@ def _declare(blocking: CommPrimitive, kind: Kind, batch_in=0, batch_out=0) -> No
         name,
         abstract_eval,
         aliases=lambda *_, **__: aliases,
-        before_lowering=partial(_refuse_abandoned, name),
+        before_lowering=partial(_refuse_unwaited, name),
         params=blocking.params,
         elementwise=blocking.elementwise,
         leading_axis=blocking.leading_axis,
     )
+    # A start evaluated at once (a rule rebinding it outside any trace) is compiled
+    # alone, before its wait is bound: its Request's owner is eager code.
+    start.def_impl(lambda x, *, posted, **params: apply_primitive(start, x, posted=0, **params))
     return Nonblocking(start, kind, batch_in, batch_out)
 
 
-# Starts bound while tracing carry a `posted` number (0 otherwise); a Request
-# dropped unwaited adds its numbers here, so that lowering the function that
-# posted it fails instead of compiling a start whose buffers XLA would free
-# while MPI still writes them.
+# Starts bound while tracing carry a `posted` number (0 otherwise, and in the
+# adjoints that AD posts itself); a Request's wait adds its numbers here. Lowering
+# refuses a start whose request was never waited in the function that posted it
+# (dropped, or kept past it). Memory safety does not rest on this: a start's
+# messages live in buffers jaxcomm owns (cpp/requests.h). It turns a request that
+# would only be cancelled into an error that names it.
 POSTED = itertools.count(1)
-ABANDONED: set[int] = set()
+WAITED: set[int] = set()
 
 
-def _refuse_abandoned(operation: str, *, posted: int, **_) -> None:
-    if posted in ABANDONED:
+def _refuse_unwaited(operation: str, *, posted: int, **_) -> None:
+    if posted and posted not in WAITED:
         raise ValueError(
-            f"{operation}: its request is never waited; wait for every request "
-            "(comm.wait) before the function that posted it returns"
+            f"{operation}: its request is never waited in the function that posted it "
+            "(dropped, or kept past the function's end); wait for every request "
+            "(comm.wait) in the function, loop body or branch that posted it"
         )
 
 
@@ -241,8 +249,12 @@ def bind_wait(operation: str, comm: CommInfo, params: dict, request, keep, pendi
 
 def wait_now(operation, comm, params, pending, request, keep):
     """Complete a request posted outside any trace, now."""
-    # Through the buffer protocol, which waits for buffers that JAX's dispatch
-    # (rather than the direct path) is still computing.
+    # The result is copied into `pending`: a NumPy array on the direct path. A
+    # start that went through JAX's dispatch left a read-only jax.Array there.
+    if pending is not None and not isinstance(pending, np.ndarray):
+        pending = np.empty(pending.shape, pending.dtype)
+    # Through the buffer protocol, which waits for a request buffer that JAX's
+    # dispatch is still computing.
     code, message, source, tag = cpu.complete(request, pending)
     if code:
         raise jax.errors.JaxRuntimeError(f"{code}: {message}")

@@ -22,17 +22,18 @@ from mpi4py import MPI
 
 from jaxcomm import _eager, _fusion, _nonblocking
 from jaxcomm._fusion import Params
-from jaxcomm._jax_internals import ArrayImpl, at_top_level
+from jaxcomm._jax_internals import ArrayImpl, at_top_level, current_trace
 from jaxcomm._native import cpu
 from jaxcomm._primitive import CommInfo
 
 
 class Request:
     """A posted non-blocking operation: pass it to ``JaxComm.wait`` exactly once,
-    in the same function (and loop iteration, or branch) that posted it.
+    in the same function (and loop body, or branch) that posted it.
 
     Not a JAX type: it cannot be returned from a jitted function or carried
-    through a loop.
+    through a loop. Its messages live in buffers jaxcomm owns until MPI is done
+    with them, whatever happens to the Request or the arrays it was posted on.
     """
 
     # Eager code makes one per post: slots make that cheaper.
@@ -45,6 +46,7 @@ class Request:
         "_parts",
         "_posted",
         "_return_status",
+        "_trace",
         "_traced",
         "_tree",
         "operation",
@@ -80,6 +82,7 @@ class Request:
         )
         # Eager AD posts an operation on constants (no tangent) without tracing it.
         self._at_top_level = now or at_top_level()
+        self._trace = None if now else current_trace()
         self.waited = False
 
     def __repr__(self) -> str:
@@ -87,15 +90,16 @@ class Request:
         return f"jaxcomm.Request({self.operation}, {state})"
 
     def __del__(self):
-        if not getattr(self, "waited", True):
-            if self._traced:
-                _nonblocking.ABANDONED.update(self._posted)
-            elif not MPI.Is_finalized():  # MPI must be done with the buffers first
+        if getattr(self, "waited", True):
+            return
+        if not self._traced:
+            # Cancelled where MPI can; jaxcomm keeps its buffers until MPI is done.
+            if not MPI.Is_finalized():
                 for _, request, _ in self._parts:
                     cpu.discard(request)
             warnings.warn(
-                f"jaxcomm: a request of {self.operation} was never waited; every request "
-                "must be waited before the function that posted it returns",
+                f"jaxcomm: a request of {self.operation} was never waited; it has been "
+                "dropped (a receive or a send is cancelled where MPI can)",
                 RuntimeWarning,
                 stacklevel=1,
             )
@@ -112,6 +116,13 @@ class Request:
             raise ValueError(
                 f"{what}: this request of {self.operation} was posted outside the traced "
                 "function that uses it; post, test and wait in the same function"
+            )
+        if what == "wait" and self._traced and current_trace() is not self._trace:
+            raise ValueError(
+                f"{what}: this request of {self.operation} was posted outside the function, "
+                "loop body or branch being traced (lax.cond, lax.fori_loop, jax.checkpoint, "
+                "a nested transformation...); post, test and wait at the same level, so "
+                "that the wait runs whenever the post does"
             )
 
     def test(self) -> bool | jax.Array:
@@ -131,6 +142,7 @@ class Request:
         with return_status (else None)."""
         self._check_usable("wait")
         self.waited = True
+        _nonblocking.WAITED.update(self._posted)
         waits = _wait_traced if self._traced else _nonblocking.wait_now
         results, status = [None] * len(self._leaves), None
         for message, part in zip(self._messages, self._parts, strict=True):
@@ -157,6 +169,17 @@ class Request:
         # MPI wrote NumPy results on the direct path: each becomes a jax.Array on
         # its leaf's device.
         return _eager.as_array(value, self._leaves[i]) if isinstance(value, np.ndarray) else value
+
+
+def drop_at_exit() -> None:
+    """Drop the requests never waited, before MPI finalises: cancelled where MPI
+    can, never waited for (a send that no rank receives would hang the exit)."""
+    if MPI.Is_initialized() and not MPI.Is_finalized() and (left := cpu.unfinished_orphans()):
+        warnings.warn(
+            f"jaxcomm: {left} request(s) never waited were still in flight at exit",
+            RuntimeWarning,
+            stacklevel=1,
+        )
 
 
 def _wait_traced(operation, comm, params, pending, request, keep):

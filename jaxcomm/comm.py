@@ -61,6 +61,10 @@ def _signed64(handle: int) -> int:
     return handle - (1 << 64) if handle >= (1 << 63) else handle
 
 
+#: Parameters of blocking methods that their non-blocking forms do not take.
+_BLOCKING_ONLY = ("in_place",)
+
+
 def _posting(
     blocking: Callable[Concatenate[Any, PyTree, P], Any], doc: str
 ) -> Callable[Concatenate[Any, PyTree, P], Request]:
@@ -69,6 +73,10 @@ def _posting(
     instead of run. `doc` is its docstring."""
     operation = "i" + blocking.__name__
     signature = inspect.signature(blocking)
+    # Non-blocking operations always work in buffers jaxcomm owns.
+    signature = signature.replace(
+        parameters=[p for p in signature.parameters.values() if p.name not in _BLOCKING_ONLY]
+    )
     defaults = {
         name: p.default for name, p in signature.parameters.items() if p.default is not p.empty
     }
@@ -258,9 +266,13 @@ class JaxComm:
         """
         return self._apply(_collectives.scatter_p, x, root=root)[0]
 
-    def alltoall(self, x: PyTree) -> PyTree:
-        """x: ``(size, *s)``. Row i of the result is rank i's row `rank`."""
-        return self._apply(_collectives.alltoall_p, x)[0]
+    def alltoall(self, x: PyTree, *, in_place: bool = False) -> PyTree:
+        """x: ``(size, *s)``. Row i of the result is rank i's row `rank`.
+
+        ``in_place=True`` writes the result into x's buffer where x is donated (no
+        second array of x's size) at the cost of MPI's slower in-place exchange,
+        and of a copy where x is still used afterwards."""
+        return self._apply(_collectives.alltoall_p, x, in_place=in_place)[0]
 
     def send(self: Self, x: PyTree, dest: int, tag: int = 0) -> Self:
         """Send x to rank dest (blocking until MPI may reuse the buffer). Returns self."""
@@ -326,8 +338,8 @@ class JaxComm:
     )
     isend = _posting(
         send,
-        "Post a send of x to dest; ``wait`` returns None. x is not copied: MPI reads it "
-        "until the wait.",
+        "Post a send of x to dest; ``wait`` returns None. MPI sends a copy of x that "
+        "jaxcomm keeps until the message has left.",
     )
     irecv = _posting(
         recv,

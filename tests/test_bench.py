@@ -20,14 +20,21 @@ def test_latency_suite_checks_and_records_every_backend(tmp_path):
         "--out",
         str(tmp_path),
         "--backends",
-        "C,mpi4py,jaxcomm-jit,jaxcomm-eager,jaxcomm-jit-check",
+        "C,mpi4py,jaxcomm-jit,jaxcomm-jit-live,jaxcomm-eager,jaxcomm-jit-check",
     ]
     result = run(2, args, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     records = [json.loads(line) for line in (tmp_path / "latency.jsonl").read_text().splitlines()]
     blocking = {"allreduce", "bcast", "sendrecv", "alltoall", "allgather", "reduce_scatter", "scan"}
     ops = blocking | {"i" + op for op in blocking - {"scan"}}
-    backends = {"C", "mpi4py", "jaxcomm-jit", "jaxcomm-eager", "jaxcomm-jit-check"}
+    backends = {
+        "C",
+        "mpi4py",
+        "jaxcomm-jit",
+        "jaxcomm-jit-live",
+        "jaxcomm-eager",
+        "jaxcomm-jit-check",
+    }
     assert {(r["op"], r["backend"]) for r in records} == {(o, b) for o in ops for b in backends}
     bad = [r for r in records if not (r["median_us"] > 0 and r["bytes"] in (4, 16, 64))]
     assert not bad, bad

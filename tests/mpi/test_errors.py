@@ -82,3 +82,18 @@ def test_ctrl_c_interrupts_an_eager_wait(comm, blocking):
     receive = comm.irecv(jnp.zeros(3), source=comm.rank, tag=77)
     comm.send(jnp.full(3, 5.0), dest=comm.rank, tag=77)
     np.testing.assert_array_equal(comm.wait(receive), 5.0)
+
+
+def test_ctrl_c_interrupts_an_eager_wait_for_a_large_isend(comm):
+    """A large send that nothing receives yet gives way to KeyboardInterrupt; its
+    message still leaves whole when a receive comes (jaxcomm keeps its buffer)."""
+    if not jaxcomm._eager.ENABLED:
+        pytest.skip("JAXCOMM_EAGER=jit: eager calls run on XLA's threads, not interruptible")
+    data = jnp.arange(4 << 20, dtype=jnp.float32)  # 16 MiB: MPI's rendezvous protocol
+    alarm = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    alarm.start()
+    with pytest.raises(KeyboardInterrupt):
+        comm.wait(comm.isend(data, dest=comm.rank, tag=78))
+    alarm.join()
+    received = comm.recv(jnp.zeros_like(data), source=comm.rank, tag=78)
+    np.testing.assert_array_equal(received, data)
