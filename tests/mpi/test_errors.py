@@ -84,7 +84,8 @@ def test_ctrl_c_interrupts_an_eager_wait(comm, blocking):
     np.testing.assert_array_equal(comm.wait(receive), 5.0)
 
 
-def test_ctrl_c_interrupts_an_eager_wait_for_a_large_isend(comm):
+@pytest.mark.parametrize("blocking", [True, False], ids=["send", "isend"])
+def test_ctrl_c_interrupts_an_eager_wait_for_a_large_send(comm, blocking):
     """A large send that nothing receives yet gives way to KeyboardInterrupt; its
     message still leaves whole when a receive comes (jaxcomm keeps its buffer)."""
     if not jaxcomm._eager.ENABLED:
@@ -93,7 +94,10 @@ def test_ctrl_c_interrupts_an_eager_wait_for_a_large_isend(comm):
     alarm = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
     alarm.start()
     with pytest.raises(KeyboardInterrupt):
-        comm.wait(comm.isend(data, dest=comm.rank, tag=78))
+        if blocking:
+            comm.send(data, dest=comm.rank, tag=78)
+        else:
+            comm.wait(comm.isend(data, dest=comm.rank, tag=78))
     alarm.join()
     received = comm.recv(jnp.zeros_like(data), source=comm.rank, tag=78)
     np.testing.assert_array_equal(received, data)
