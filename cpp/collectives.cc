@@ -295,15 +295,22 @@ ffi::Error IreduceScatter(Token, Buffer x, TokenOut, Result out, Result request,
   return post(request->untyped_data(), std::move(owned.pending));
 }
 
-// MPI_Ibcast works in one buffer: the root's holds a copy of x.
+// MPI_Ibcast works in one buffer: the root's holds a copy of x. The root's result
+// is x, written now (inside jit `out` is x's own buffer: nothing to copy), so only
+// the other ranks copy theirs out at the wait.
 ffi::Error Ibcast(Token, Buffer x, TokenOut, Result out, Result request, int64_t comm_key,
                   bool check, int32_t root) {
   Call call(comm_key, check, "ibcast", x);
   auto [error, comm, type] = start(call.param("root", root), x);
   if (error.failure()) return error;
   Pending pending{"ibcast", comm_key, check};
-  char* data = pending.own_result(out->size_bytes());
-  if (comm_rank(comm) == root) std::memcpy(data, x.untyped_data(), x.size_bytes());
+  char* data = nullptr;
+  if (comm_rank(comm) == root) {
+    copy_if_distinct(out, x);
+    data = pending.own_copy(x.untyped_data(), x.size_bytes());
+  } else {
+    data = pending.own_result(out->size_bytes());
+  }
   const size_t width = ffi::ByteWidth(x.element_type());
   JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
                                    [&](int64_t offset, int n) {

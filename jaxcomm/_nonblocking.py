@@ -250,9 +250,10 @@ def bind_wait(operation: str, comm: CommInfo, params: dict, request, keep, pendi
 def wait_now(operation, comm, params, pending, request, keep):
     """Complete a request posted outside any trace, now."""
     # The result is copied into `pending`: a NumPy array on the direct path. A
-    # start that went through JAX's dispatch left a read-only jax.Array there.
+    # start that went through JAX's dispatch left a read-only jax.Array there,
+    # which may already hold the result (ibcast's root): the wait gets a copy.
     if pending is not None and not isinstance(pending, np.ndarray):
-        pending = np.empty(pending.shape, pending.dtype)
+        pending = np.array(pending)
     # Through the buffer protocol, which waits for a request buffer that JAX's
     # dispatch is still computing.
     code, message, source, tag = cpu.complete(request, pending)
