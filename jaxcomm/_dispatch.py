@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jaxcomm import _eager, _fusion
 from jaxcomm._fusion import Params
+from jaxcomm._jax_internals import at_top_level
 from jaxcomm._primitive import CommInfo, CommPrimitive
 
 
@@ -44,7 +45,9 @@ def _run(primitive, leaves: list, comm, params: Params, fuse: bool) -> tuple[lis
     none) and the other results of the last message."""
     if _eager.can_run(leaves):
         return _eager.map_call(primitive.eager, leaves, comm, params, fuse)(leaves)
-    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+    if not at_top_level() or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        # Bound in the active trace even on constants: under grad or vmap the
+        # operation must take part (jaxcomm._jax_internals.taking_part).
         return _traced(primitive, leaves, comm, params, fuse)
     # One jitted function per signature: JAX dispatches that faster than the
     # primitives one by one.

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax._src import core, dispatch, effects, sharding_impls
 from jax._src.array import ArrayImpl
-from jax._src.interpreters import mlir
+from jax._src.interpreters import ad, mlir
 from jax._src.lib import xla_client
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "host_arrays",
     "lower_identity",
     "lower_with_token",
+    "taking_part",
 ]
 
 
@@ -77,6 +78,36 @@ def current_trace() -> Any:
     grad, vmap, or a lax.cond branch or loop body, each its own; at top level,
     JAX's evaluation trace."""
     return core.trace_ctx.trace
+
+
+def taking_part(trace: Any, args: Sequence[Any]) -> Sequence[Any]:
+    """`args` as values of `trace` with which an operation takes part in its
+    transformation whatever its operands depend on.
+
+    Under differentiation each floating-point operand without a tangent gets a
+    zero tangent, so the operation's derivative rule runs and makes its tangent
+    (and, transposed, its cotangent) calls. Whether an operand depends on the
+    differentiated inputs differs between ranks (a receive's template, data sent
+    from a constant, a contribution only some ranks differentiate); the messages
+    must not. The zero of a linearization is a linear value (a frozen ref, which
+    JAX transposes as linear), so the transposed call is made too.
+    """
+    if isinstance(trace, ad.JVPTrace | ad.LinearizeTrace):
+        return [_with_tangent(trace, x) for x in args]
+    return args
+
+
+def _with_tangent(trace: Any, x: Any) -> Any:
+    primal, tangent = trace.to_primal_tangent_pair(x)
+    aval = core.typeof(primal)
+    if type(tangent) is not ad.Zero or not np.issubdtype(aval.dtype, np.inexact):
+        return x
+    if isinstance(trace, ad.JVPTrace):
+        with core.set_current_trace(trace.parent_trace):
+            return ad.JVPTracer(trace, primal, ad.instantiate_zeros(tangent))
+    with core.set_current_trace(trace.tangent_trace):
+        linear_zeros = jax.freeze(jax.new_ref(ad.instantiate_zeros(tangent)))
+    return ad.LinearizeTracer(trace, primal, linear_zeros)
 
 
 def host_arrays(aval: core.ShapedArray, device: Any) -> Callable[[np.ndarray], jax.Array]:

@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from jaxcomm import _checks, _eager
 from jaxcomm._checks import Check
-from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
+from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token, taking_part
 from jaxcomm._native import PLATFORMS, cpu
 
 
@@ -86,6 +86,11 @@ class CommPrimitive(Primitive):
         self.attrs: tuple[str, ...] = _ATTRIBUTES[name]
         self.eager = _eager.EagerOp(name, abstract_eval, self.attrs)
         self.def_impl(partial(apply_primitive, self))
+
+    def bind_with_trace(self, trace, args, *rest):
+        # Every rank's messages must be the same whatever its operands depend on:
+        # see taking_part.
+        return super().bind_with_trace(trace, taking_part(trace, args), *rest)
 
     def check_params(self, params: dict[str, Any], comm: CommInfo) -> None:
         """Check a caller's `params` as declared, in place: each becomes the value

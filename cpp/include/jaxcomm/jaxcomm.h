@@ -55,6 +55,16 @@ inline ffi::Error check_mpi(int code, std::string_view op, MPI_Comm comm) {
   std::string message = "jaxcomm: MPI error in ";
   message.append(op).append(" on rank ").append(std::to_string(comm_rank(comm)));
   message.append(": ").append(text, static_cast<size_t>(length));
+  int error_class = MPI_SUCCESS;
+  if (MPI_Error_class(code, &error_class) == MPI_SUCCESS && error_class == MPI_ERR_TRUNCATE) {
+    // The usual cause inside jaxcomm: a receive's template that vmap did not
+    // batch (it is a constant) while the data sent is batched.
+    message.append(
+        "\nThe message is larger than the receive's template, whose shape and dtype "
+        "give the result's. Under vmap a template that does not depend on the batched "
+        "input (jnp.zeros_like(x) is a constant) is not batched: receive into a "
+        "batched array such as x itself.");
+  }
   return ffi::Error(ffi::ErrorCode::kInternal, std::move(message));
 }
 
