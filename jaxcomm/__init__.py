@@ -32,7 +32,7 @@ from jaxcomm._ops import DTYPES, ReduceOp
 from jaxcomm._requests import Request
 from jaxcomm.comm import CartComm, JaxComm, Status
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it from here
 
 # Seconds abort_on_error waits before MPI_Abort: enough for mpiexec to read a
 # traceback from the pipe on a loaded node, and nothing next to a job ending.
