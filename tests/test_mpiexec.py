@@ -36,7 +36,11 @@ def run_suite(nprocs: int, tests: str, marks: str, env: dict[str, str] | None = 
     # One summary per rank; ranks' output may interleave on a line.
     summaries = re.findall(r"\d+ passed[\w ,]* in [\d.]+s", result.stdout)
     print(f"{nprocs} ranks:", summaries)
-    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
+    # The first line of the message is what pytest's summary shows: the inner test
+    # and the rank that failed it (tests/mpi/conftest.py prints them).
+    failed = sorted(set(re.findall(r"rank \d+: \S+ failed", result.stderr)))
+    first_line = "; ".join(failed) or f"mpiexec exited with {result.returncode}"
+    assert result.returncode == 0, f"{first_line}\n{result.stdout[-20000:]}{result.stderr[-5000:]}"
     assert len(summaries) == nprocs, result.stdout[-5000:]
     assert not re.search(r"\d+ (failed|error)", result.stdout), result.stdout[-5000:]
 
