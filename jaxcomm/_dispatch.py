@@ -46,8 +46,9 @@ def _run(primitive, leaves: list, comm, params: Params, fuse: bool) -> tuple[lis
     if _eager.can_run(leaves):
         return _eager.map_call(primitive.eager, leaves, comm, params, fuse)(leaves)
     if not at_top_level() or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-        # Bound in the active trace even on constants: under grad or vmap the
-        # operation must take part (jaxcomm._jax_internals.taking_part).
+        # Bound in the active trace even on constants: under grad the operation
+        # must take part (jaxcomm._jax_internals.taking_part), which a jitted
+        # call of constants would hide from it.
         return _traced(primitive, leaves, comm, params, fuse)
     # One jitted function per signature: JAX dispatches that faster than the
     # primitives one by one.

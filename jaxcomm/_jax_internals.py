@@ -100,7 +100,8 @@ def taking_part(trace: Any, args: Sequence[Any]) -> Sequence[Any]:
 def _with_tangent(trace: Any, x: Any) -> Any:
     primal, tangent = trace.to_primal_tangent_pair(x)
     aval = core.typeof(primal)
-    if type(tangent) is not ad.Zero or not np.issubdtype(aval.dtype, np.inexact):
+    # jnp's issubdtype: bfloat16 and the float8 types are inexact, not NumPy's.
+    if type(tangent) is not ad.Zero or not jax.numpy.issubdtype(aval.dtype, np.inexact):
         return x
     if isinstance(trace, ad.JVPTrace):
         with core.set_current_trace(trace.parent_trace):

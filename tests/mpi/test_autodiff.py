@@ -318,6 +318,22 @@ def test_derivatives_of_a_send_recv_gradient_are_refused(comm, ring):
     assert_values(got, np.full(3, left, got.dtype))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_constant_template_differentiates_as_x(comm, dtype):
+    """Exact comparison, in each float dtype (bfloat16 is no NumPy float)."""
+    x = jnp.asarray(data(comm.rank, comm.size), dtype)
+    left, right = shift_peers(comm, True)
+
+    def loss(x, template):
+        received = comm.irecv(template(x), source=left, tag=8)
+        comm.wait(comm.isend(3 * x, dest=right, tag=8))
+        return jnp.sum(comm.wait(received) * x).astype(jnp.float32)
+
+    expected = jax.grad(loss)(x, lambda x: x)
+    assert_values(jax.grad(loss)(x, jnp.zeros_like), expected)
+    assert_values(jax.jit(jax.grad(loss), static_argnums=1)(x, jnp.zeros_like), expected)
+
+
 def test_jacfwd_of_a_constant_template_names_the_cause(comm):
     """jacfwd is vmap over tangents; a constant template's zero tangent is not
     batched while the tangents sent are: every receiver refuses with the cause
