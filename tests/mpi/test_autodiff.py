@@ -16,6 +16,8 @@ from data import assert_values, rank_data
 from jax.test_util import check_grads
 from mpi4py import MPI
 
+from jaxcomm import JaxComm
+
 EPS = 1e-6
 
 
@@ -334,16 +336,23 @@ def test_a_constant_template_differentiates_as_x(comm, dtype):
     assert_values(jax.jit(jax.grad(loss), static_argnums=1)(x, jnp.zeros_like), expected)
 
 
-def test_jacfwd_of_a_constant_template_names_the_cause(comm):
+@pytest.mark.parametrize("check", [False, True], ids=["plain", "checking"])
+def test_jacfwd_of_a_constant_template_names_the_cause(comm, check):
     """jacfwd is vmap over tangents; a constant template's zero tangent is not
     batched while the tangents sent are: every receiver refuses with the cause
     (documented in docs/autodiff.md), and the ranks stay in step."""
+    if not check and comm.size == 1 and "Open MPI" in MPI.Get_library_version():
+        pytest.skip("Open MPI cuts a message to the same rank to fit without an error")
     x = data(comm.rank, comm.size)
-    with pytest.raises(jax.errors.JaxRuntimeError, match="larger than the receive's template"):
-        jax.jacfwd(lambda x: constant_template_ring(comm, x))(x)
+    ring = JaxComm(MPI.COMM_WORLD, check=True) if check else comm
+    cause = "receives into .* but rank" if check else "larger than the receive's template"
+    with pytest.raises(jax.errors.JaxRuntimeError, match=cause):
+        jax.jacfwd(lambda x: constant_template_ring(ring, x))(x)
     left, right = shift_peers(comm, True)
     got = comm.sendrecv(jnp.full(3, comm.rank), source=left, dest=right)
     assert_values(got, np.full(3, left, got.dtype))
+    if check:
+        ring.free()
 
 
 def test_max_ties_split_evenly(comm):
