@@ -99,17 +99,18 @@ struct HeldBuffer {
 // jax.Arrays, outputs writable NumPy arrays, each with its dtype code. The buffer
 // protocol gives their memory: for a jax.Array it waits until the array is
 // computed and keeps its buffer alive until released, and it costs less than
-// jax.Array.unsafe_buffer_pointer or NumPy's ctypes attribute. `attrs` are the
-// operation's attributes in the order of its binding (comm, check, then the
-// op's own).
+// jax.Array.unsafe_buffer_pointer or NumPy's ctypes attribute. The first
+// `templates` inputs (a receive's template) only gave the results' types and are
+// not passed. `attrs` are the operation's attributes in the order of its binding
+// (comm, check, then the op's own).
 class EagerArguments {
  public:
-  EagerArguments(nb::args inputs, const std::vector<int>& input_codes,
+  EagerArguments(nb::args inputs, size_t templates, const std::vector<int>& input_codes,
                  const std::vector<nb::object>& outputs, const std::vector<int>& output_codes,
                  nb::tuple attrs)
-      : inputs_(inputs.size()), outputs_(outputs.size()), attrs_(attrs) {
+      : inputs_(input_codes.size()), outputs_(outputs.size()), attrs_(attrs) {
     for (size_t i = 0; i < inputs_.size(); ++i) {
-      inputs_[i].describe(inputs[i], input_codes[i], /*writable=*/false);
+      inputs_[i].describe(inputs[templates + i], input_codes[i], /*writable=*/false);
     }
     for (size_t i = 0; i < outputs_.size(); ++i) {
       outputs_[i].describe(outputs[i], output_codes[i], /*writable=*/true);
@@ -198,14 +199,16 @@ EagerRun eager_run(std::string_view operation) {
 // about as much again as the call's own work (lists, zips and frames).
 class EagerCall {
  public:
-  // Each output is (allocate, dtype code, wrap): allocate() makes the NumPy array
-  // the result is written to, wrap(array) the jax.Array returned (with wrap None,
-  // the NumPy array is). `before()` runs first; fail(code name, message) raises
-  // the call's error.
-  EagerCall(std::string_view operation, std::vector<int> input_codes,
+  // The call takes `templates` inputs that are not passed (EagerArguments), then
+  // one of each dtype code of `input_codes`. Each output is (allocate, dtype code,
+  // wrap): allocate() makes the NumPy array the result is written to, wrap(array)
+  // the jax.Array returned (with wrap None, the NumPy array is). `before()` runs
+  // first; fail(code name, message) raises the call's error.
+  EagerCall(std::string_view operation, size_t templates, std::vector<int> input_codes,
             std::vector<std::tuple<nb::object, int, nb::object>> outputs, nb::tuple attrs,
             nb::object before, nb::object fail)
       : run_(eager_run(operation)),
+        templates_(templates),
         input_codes_(std::move(input_codes)),
         attrs_(std::move(attrs)),
         before_(std::move(before)),
@@ -219,7 +222,7 @@ class EagerCall {
 
   // The results on `inputs`, as a list of new jax.Arrays.
   nb::list operator()(nb::args inputs) const {
-    if (inputs.size() != input_codes_.size()) {
+    if (inputs.size() != templates_ + input_codes_.size()) {
       throw nb::type_error("jaxcomm eager call: wrong number of arrays");
     }
     before_();
@@ -228,7 +231,7 @@ class EagerCall {
     for (const nb::object& allocate : allocate_) outputs.push_back(allocate());
     ffi::Error error = ffi::Error::Success();
     {
-      EagerArguments arguments(inputs, input_codes_, outputs, output_codes_, attrs_);
+      EagerArguments arguments(inputs, templates_, input_codes_, outputs, output_codes_, attrs_);
       error = run_(arguments);
     }
     raise_if_interrupted();
@@ -245,6 +248,7 @@ class EagerCall {
 
  private:
   EagerRun run_;
+  size_t templates_;
   std::vector<int> input_codes_, output_codes_;
   std::vector<nb::object> allocate_, wrap_;
   nb::tuple attrs_;
@@ -339,11 +343,11 @@ NB_MODULE(_jaxcomm_cpu, m) {
       "Each operation's own FFI attributes (after comm and check), in binding order.");
   nb::class_<jaxcomm::EagerCall>(m, "EagerCall",
                                  "An operation on arrays of fixed types, run directly.")
-      .def(nb::init<std::string_view, std::vector<int>,
+      .def(nb::init<std::string_view, size_t, std::vector<int>,
                     std::vector<std::tuple<nb::object, int, nb::object>>, nb::tuple, nb::object,
                     nb::object>(),
-           nb::arg("operation"), nb::arg("input_codes"), nb::arg("outputs"), nb::arg("attrs"),
-           nb::arg("before"), nb::arg("fail"))
+           nb::arg("operation"), nb::arg("templates"), nb::arg("input_codes"), nb::arg("outputs"),
+           nb::arg("attrs"), nb::arg("before"), nb::arg("fail"))
       .def("__call__", &jaxcomm::EagerCall::operator());
   nb::dict dtype_codes;
   for (int code = 0; code < 64; ++code) {

@@ -38,7 +38,9 @@ ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm, bool c
 ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check, int32_t root);
 ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
 ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm, bool check, int32_t dest, int32_t tag);
-ffi::Error Recv(Token, Buffer like, TokenOut, Result out, Status status, int64_t comm, bool check,
+// A receive's template gives its result's shape and dtype when traced, so XLA
+// does not pass it (a template made for the call would cost a kernel filling it).
+ffi::Error Recv(Token, TokenOut, Result out, Status status, int64_t comm, bool check,
                 int32_t source, int32_t tag);
 ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm, bool check,
                     int32_t source, int32_t dest, int32_t sendtag, int32_t recvtag);
@@ -61,7 +63,7 @@ ffi::Error Ialltoall(Token, Buffer x, TokenOut, Result out, Result request, Resu
                      int64_t comm, bool check);
 ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result keep, int64_t comm, bool check,
                  int32_t dest, int32_t tag);
-ffi::Error Irecv(Token, Buffer like, TokenOut, Result out, Result request, int64_t comm, bool check,
+ffi::Error Irecv(Token, TokenOut, Result out, Result request, int64_t comm, bool check,
                  int32_t source, int32_t tag);
 // Completes the request named by `request`; its other operands only keep buffers
 // alive. Results: the received data (aliased with the start's), then the status.
@@ -108,6 +110,13 @@ auto one_input(Binding&& base) {
   }
 }
 
+// token -> token, Results..., with the communicator's attributes: the receives.
+template <typename... Results, typename Binding>
+auto no_input(Binding&& base) {
+  auto inputs = std::forward<Binding>(base).template Arg<host::Token>().template Ret<host::Token>();
+  return with_comm(returning<Results...>(std::move(inputs)));
+}
+
 // X(name, function, binding, attributes) for every operation: the FFI target is
 // "jaxcomm_<name>" on every platform. `attributes` lists the operation's own
 // attributes, after "comm" and "check", as A(type, name) in binding order; the
@@ -126,7 +135,7 @@ auto one_input(Binding&& base) {
   X(scatter, Scatter, one_input<host::Buffer>(base), A(int32_t, root))              \
   X(alltoall, Alltoall, one_input<host::Buffer>(base), )                            \
   X(send, Send, one_input<>(base), A(int32_t, dest) A(int32_t, tag))                \
-  X(recv, Recv, (one_input<host::Buffer, host::StatusBuffer>(base)),                \
+  X(recv, Recv, (no_input<host::Buffer, host::StatusBuffer>(base)),                 \
     A(int32_t, source) A(int32_t, tag))                                             \
   X(sendrecv, Sendrecv, (one_input<host::Buffer, host::StatusBuffer>(base)),        \
     A(int32_t, source) A(int32_t, dest) A(int32_t, sendtag) A(int32_t, recvtag))    \
@@ -158,7 +167,7 @@ auto one_input(Binding&& base) {
   X(iallgather, Iallgather, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)), )         \
   X(ialltoall, Ialltoall, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)), )           \
   X(isend, Isend, (one_input<host::Buffer, host::Buffer>(base)), A(int32_t, dest) A(int32_t, tag)) \
-  X(irecv, Irecv, (one_input<host::Buffer, host::Buffer>(base)), A(int32_t, source) A(int32_t, tag))
+  X(irecv, Irecv, (no_input<host::Buffer, host::Buffer>(base)), A(int32_t, source) A(int32_t, tag))
 
 template <typename Binding>
 auto waiting(Binding&& base) {

@@ -159,9 +159,8 @@ ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_key, bool check, int32_t
   return ffi::Error::Success();
 }
 
-// `like` is the template: its shape and dtype are the result's; its data is unused.
-ffi::Error Recv(Token, Buffer /*like*/, TokenOut, Result out, Status status, int64_t comm_key,
-                bool check, int32_t source, int32_t tag) {
+ffi::Error Recv(Token, TokenOut, Result out, Status status, int64_t comm_key, bool check,
+                int32_t source, int32_t tag) {
   Call call(comm_key, check, "recv", *out);
   call.peer("source", source).peer("tag", tag);
   MPI_Comm comm = call.comm();
@@ -281,8 +280,8 @@ ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result /*keep*/, int
 // Checking mode receives each message's header alongside it: both are posted
 // now, so that ranks that post their receives before their sends never wait for
 // each other's headers.
-ffi::Error Irecv(Token, Buffer /*like*/, TokenOut, Result out, Result request, int64_t comm_key,
-                 bool check, int32_t source, int32_t tag) {
+ffi::Error Irecv(Token, TokenOut, Result out, Result request, int64_t comm_key, bool check,
+                 int32_t source, int32_t tag) {
   Call call(comm_key, check, "irecv", *out);
   call.peer("source", source).peer("tag", tag);
   if (auto err = call.live(); err.failure()) return err;

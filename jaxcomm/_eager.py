@@ -99,7 +99,9 @@ class EagerOp:
     """Runs operation `name` now, on the buffers of concrete host arrays.
 
     abstract_eval(*avals, comm, **params) gives the result types; `attr_names`
-    are the params the host function takes after the communicator and check flag.
+    are the params the host function takes after the communicator and check flag;
+    the first `templates` args give only the results' types, and the host
+    function does not take them.
     """
 
     def __init__(
@@ -107,10 +109,12 @@ class EagerOp:
         name: str,
         abstract_eval: Callable[..., Sequence[core.ShapedArray]],
         attr_names: Sequence[str],
+        templates: int = 0,
     ):
         self._name = name
         self._abstract_eval = abstract_eval
         self._attr_names = tuple(attr_names)
+        self._templates = templates
 
     def __call__(
         self,
@@ -143,7 +147,8 @@ class EagerOp:
         own = (v if isinstance(v, str) else int(v) for v in map(params.get, self._attr_names))
         return cpu.EagerCall(
             self._name,
-            [_CODES[dtype] for _, dtype in in_types],
+            self._templates,
+            [_CODES[dtype] for _, dtype in in_types[self._templates :]],
             outputs,
             (comm.key, comm.check, *own),
             before=jax.effects_barrier,

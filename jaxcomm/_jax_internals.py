@@ -128,11 +128,13 @@ def lower_with_token(
     target: str,
     *,
     aliases: dict[int, int] | None = None,
+    templates: int = 0,
 ) -> Callable[..., Sequence[Any]]:
     """A lowering rule that calls FFI `target` as (token, *operands) -> (token, *results).
 
     `aliases` maps operand index to result index (both without the token) for
-    outputs that may reuse an input buffer.
+    outputs that may reuse an input buffer. The first `templates` operands are
+    not passed (they gave only the results' types).
     """
     shifted = None if not aliases else {i + 1: o + 1 for i, o in aliases.items()}
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True, operand_output_aliases=shifted)
@@ -148,10 +150,10 @@ def lower_with_token(
             )
         token = ctx.tokens_in.get(COMM_EFFECT)
         inner = ctx.replace(
-            avals_in=[core.abstract_token, *ctx.avals_in],
+            avals_in=[core.abstract_token, *ctx.avals_in[templates:]],
             avals_out=[core.abstract_token, *ctx.avals_out],
         )
-        token_out, *results = rule(inner, token, *operands, **attrs)
+        token_out, *results = rule(inner, token, *operands[templates:], **attrs)
         ctx.set_tokens_out(mlir.TokenSet({COMM_EFFECT: token_out}))
         return results
 

@@ -81,9 +81,8 @@ RECEIVE = Kind(pending=True, keep=False, status=True)
 
 def _aliases(kind: Kind) -> dict[int, int] | None:
     """Which output x's buffer becomes: keep (the wait's AD rules read it as x),
-    or pending (ibcast's result). A receive's template is not
-    aliased: XLA would copy a template used afterwards, whose values MPI never
-    reads."""
+    or pending (ibcast's result). A receive's template is not passed at all
+    (comm_primitive's `template`)."""
     if kind.keep:
         return {0: 2 if kind.pending else 1}
     return {0: 0} if kind.in_place else None
@@ -115,6 +114,7 @@ def _declare(blocking: CommPrimitive, kind: Kind, batch_in=0, batch_out=0) -> No
         params=blocking.params,
         elementwise=blocking.elementwise,
         leading_axis=blocking.leading_axis,
+        template=blocking.template,
     )
     # A start evaluated at once (a rule rebinding it outside any trace) is compiled
     # alone, before its wait is bound: its Request's owner is eager code.

@@ -35,10 +35,11 @@ def _sendrecv_shape(x, *, shape, dtype, **_):
 
 send_p = comm_primitive("send", lambda *_, **__: [], params={"dest": DEST, "tag": TAG})
 # recv's operand is its template: only its shape and dtype are used. Being an
-# operand lets a tangent reach recv. Not aliased with the result: XLA would copy
-# a template that is used afterwards (often the array itself) into the result's
-# buffer, a copy of data that is never read.
-recv_p = comm_primitive("recv", _recv_shape, params={"source": SOURCE, "tag": RECEIVED_TAG})
+# operand lets a tangent reach recv; it is not passed to the FFI call, so a
+# template made for the call (jnp.empty_like(x)) costs nothing.
+recv_p = comm_primitive(
+    "recv", _recv_shape, params={"source": SOURCE, "tag": RECEIVED_TAG}, template=True
+)
 # sendrecv never runs in place: receiving over the data being sent needs a
 # message-sized buffer anyway (MPI_Sendrecv_replace allocates one), so aliasing
 # would save no memory and cost a copy even where XLA could keep both arrays.

@@ -74,6 +74,7 @@ class CommPrimitive(Primitive):
         params: Mapping[str, Check],
         elementwise: bool,
         leading_axis: LeadingAxis,
+        template: bool,
     ):
         super().__init__(f"jaxcomm_{name}")
         self.op_name = name
@@ -81,10 +82,11 @@ class CommPrimitive(Primitive):
         self.params = dict(params)
         self.elementwise = elementwise
         self.leading_axis = leading_axis
+        self.template = template
         # The params passed to the FFI handler after the communicator and checking
         # flag, by name inside jit and in this order eagerly: the C++ table's.
         self.attrs: tuple[str, ...] = _ATTRIBUTES[name]
-        self.eager = _eager.EagerOp(name, abstract_eval, self.attrs)
+        self.eager = _eager.EagerOp(name, abstract_eval, self.attrs, templates=int(template))
         self.def_impl(partial(apply_primitive, self))
 
     def bind_with_trace(self, trace, args, *rest):
@@ -135,6 +137,7 @@ def comm_primitive(
     params: Mapping[str, Check] | None = None,
     elementwise: bool = False,
     leading_axis: LeadingAxis = None,
+    template: bool = False,
 ) -> CommPrimitive:
     """Define the primitive for operation `name`.
 
@@ -148,12 +151,18 @@ def comm_primitive(
     x on every rank, so the small arrays of a pytree may travel as one message.
     `leading_axis`: what must have a leading axis of length size (its name in the
     error), if anything; or a function of (comm, **params) that says so.
+    `template`: the first operand (a receive's template) gives only the results'
+    shape and dtype; the host function does not take it (cpp/ops.h), so neither
+    the compiled call (where a template made for the call would cost a kernel
+    that fills it) nor the eager call passes it.
     """
     if name not in _ATTRIBUTES:
         raise ValueError(f"no operation {name!r} in the C++ table (cpp/ops.h)")
     if name in PRIMITIVES:
         raise ValueError(f"operation {name!r} is declared twice")
-    primitive = CommPrimitive(name, abstract_eval, params or {}, elementwise, leading_axis)
+    primitive = CommPrimitive(
+        name, abstract_eval, params or {}, elementwise, leading_axis, template
+    )
     PRIMITIVES[name] = primitive
     primitive.def_effectful_abstract_eval(
         lambda *avals, **params: (abstract_eval(*avals, **params), {COMM_EFFECT})
@@ -163,7 +172,7 @@ def comm_primitive(
         if before_lowering is not None:
             before_lowering(**params)
         alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases else None
-        rule = lower_with_token(f"jaxcomm_{name}", aliases=alias)
+        rule = lower_with_token(f"jaxcomm_{name}", aliases=alias, templates=int(template))
         ffi_attrs: dict[str, Any] = {"comm": np.int64(comm.key), "check": np.bool_(comm.check)}
         for key in primitive.attrs:
             value = params[key]

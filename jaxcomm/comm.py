@@ -287,7 +287,8 @@ class JaxComm:
         *,
         return_status: bool = False,
     ) -> PyTree | tuple[PyTree, Status]:
-        """Receive arrays shaped like x (a template; its values are not read).
+        """Receive arrays shaped like x (a template: only its shapes and dtypes are
+        used, so inside jit `jnp.empty_like(y)` costs nothing).
 
         From MPI.PROC_NULL the result is zeros. With return_status=True, returns
         (result, Status(source, tag)) of the (last) message received.
