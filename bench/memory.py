@@ -17,13 +17,15 @@ import os
 import resource
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).parent
 VARIANTS = {
     "mpi4py-in-place": "MPI alone: mpi4py Allreduce(IN_PLACE, x)",
-    "jaxcomm-jit-donated": "jaxcomm, jit with donate_argnums=0",
-    "jaxcomm-jit": "jaxcomm, jit without donation",
+    "jaxcomm-jit-donated": "jaxcomm in_place=True, jit with donate_argnums=0",
+    "jaxcomm-jit-donated-default": "jaxcomm (out of place), jit with donate_argnums=0",
+    "jaxcomm-jit": "jaxcomm in_place=True, jit without donation",
     "mpi4jax-jit-donated": "mpi4jax, jit with donate_argnums=0",
 }
 
@@ -50,7 +52,8 @@ def child(variant: str, nbytes: int) -> None:
     if variant.startswith("jaxcomm"):
         from jaxcomm import JaxComm
 
-        allreduce = JaxComm(comm).allreduce
+        in_place = not variant.endswith("default")
+        allreduce = partial(JaxComm(comm).allreduce, in_place=in_place)
     else:
         import mpi4jax
 
@@ -58,7 +61,7 @@ def child(variant: str, nbytes: int) -> None:
             return mpi4jax.allreduce(x, op=MPI.SUM, comm=comm)
 
     spec = jax.ShapeDtypeStruct((nbytes // 4,), jnp.float32)
-    donate = (0,) if variant.endswith("donated") else ()
+    donate = (0,) if "donated" in variant else ()
     compiled = jax.jit(allreduce, donate_argnums=donate).lower(spec).compile()
     x = jnp.ones(spec.shape, spec.dtype).block_until_ready()
     before = current_rss() - nbytes  # what the process held before the array

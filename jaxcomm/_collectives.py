@@ -10,7 +10,7 @@ from __future__ import annotations
 from jax import core
 
 from jaxcomm._checks import ROOT
-from jaxcomm._primitive import CommInfo, comm_primitive, same_shape
+from jaxcomm._primitive import CommInfo, asked_in_place, comm_primitive, same_shape
 from jaxcomm._replicated import pvary, replicated_cotangent
 from jaxcomm._rules import (
     batch_elementwise,
@@ -46,13 +46,6 @@ def _root_in_place(x, *, comm: CommInfo, root: int):
     return {0: 0} if comm.rank == root else None
 
 
-def _asked_in_place(x, *, in_place: bool = False, **_):
-    # MPI libraries' in-place alltoall exchanges through a temporary buffer, one
-    # peer at a time (MPICH: up to 2x the out-of-place call), and x's buffer makes
-    # XLA copy an x still needed: only a caller short of memory asks for it.
-    return {0: 0} if in_place else None
-
-
 _ROOT = {"root": ROOT}
 bcast_p = comm_primitive(
     "bcast", same_shape, aliases=_root_in_place, params=_ROOT, elementwise=True
@@ -60,7 +53,9 @@ bcast_p = comm_primitive(
 gather_p = comm_primitive("gather", _gather_shape, params=_ROOT)
 allgather_p = comm_primitive("allgather", _stacked)
 scatter_p = comm_primitive("scatter", _scatter_shape, params=_ROOT, leading_axis=_scatter_rows)
-alltoall_p = comm_primitive("alltoall", same_shape, aliases=_asked_in_place, leading_axis="x")
+# MPI libraries' in-place alltoall is also slower: it exchanges through a
+# temporary buffer, one peer at a time (MPICH's: up to 2x the out-of-place call).
+alltoall_p = comm_primitive("alltoall", same_shape, aliases=asked_in_place, leading_axis="x")
 
 
 def bcast(x, *, comm: CommInfo, root: int):

@@ -61,6 +61,14 @@ def in_place(x, **_):
     return {0: 0}
 
 
+def asked_in_place(x, *, in_place: bool = False, **_):
+    """Aliases of ops that run in x's buffer only when the caller asks
+    (``in_place=True``): XLA copies an aliased x that is still needed afterwards,
+    so aliasing costs a copy in some programs, while MPI's out-of-place call
+    costs its own time in all. A caller short of memory asks, for a donated x."""
+    return {0: 0} if in_place else None
+
+
 class CommPrimitive(Primitive):
     """A jaxcomm operation. `eager` runs it at once on concrete host arrays, outside
     JAX's dispatch (jaxcomm._eager); binding it outside a trace compiles it."""

@@ -20,7 +20,7 @@ from jax import core
 from jaxcomm._checks import ROOT, reduce_op
 from jaxcomm._collectives import allgather, bcast
 from jaxcomm._ops import ReduceOp
-from jaxcomm._primitive import CommInfo, comm_primitive, in_place, same_shape
+from jaxcomm._primitive import CommInfo, asked_in_place, comm_primitive, same_shape
 from jaxcomm._replicated import pvary, pvary_p, replicated_cotangent
 from jaxcomm._rules import (
     batch_elementwise,
@@ -36,15 +36,13 @@ def _row(x, **_):
     return [core.ShapedArray(x.shape[1:], x.dtype)]
 
 
+# In place (MPI_IN_PLACE in x's buffer) only when asked: see asked_in_place.
 _OP = {"op": reduce_op}
-allreduce_p = comm_primitive(
-    "allreduce", same_shape, aliases=in_place, params=_OP, elementwise=True
-)
-reduce_p = comm_primitive(
-    "reduce", same_shape, aliases=in_place, params=_OP | {"root": ROOT}, elementwise=True
-)
-scan_p = comm_primitive("scan", same_shape, aliases=in_place, params=_OP, elementwise=True)
-exscan_p = comm_primitive("exscan", same_shape, aliases=in_place, params=_OP, elementwise=True)
+_REDUCTION = {"aliases": asked_in_place, "elementwise": True}
+allreduce_p = comm_primitive("allreduce", same_shape, params=_OP, **_REDUCTION)
+reduce_p = comm_primitive("reduce", same_shape, params=_OP | {"root": ROOT}, **_REDUCTION)
+scan_p = comm_primitive("scan", same_shape, params=_OP, **_REDUCTION)
+exscan_p = comm_primitive("exscan", same_shape, params=_OP, **_REDUCTION)
 reduce_scatter_p = comm_primitive("reduce_scatter", _row, params=_OP, leading_axis="x")
 
 
@@ -145,9 +143,9 @@ def _reduce_scatter_tangent(x, y, t, *, comm, op):
 
 
 def _reduction_jvp(primitive, tangent):
-    def jvp(primals, tangents, *, comm, op, **params):
+    def jvp(primals, tangents, *, comm, op, in_place=False, **params):
         (x,), (t,) = primals, tangents
-        (y,) = primitive.bind(x, comm=comm, op=op, **params)
+        (y,) = primitive.bind(x, comm=comm, op=op, in_place=in_place, **params)
         if not differentiable(x) or op not in _DIFFERENTIABLE:
             return [y], [zero_tangent(y)]
         return [y], [tangent(x, y, instantiate(t), comm=comm, op=op, **params)]
@@ -162,7 +160,7 @@ _DIFFERENTIABLE = (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN)
 
 
 def _linear_only(name, transpose):
-    def rule(cts, x, *, comm, op, **params):
+    def rule(cts, x, *, comm, op, in_place=False, **params):
         if op != ReduceOp.SUM:
             raise NotImplementedError(f"{name}: op={op.name} is not linear; only SUM transposes")
         return [transpose(instantiate(cts[0]), comm=comm, **params)]

@@ -223,25 +223,32 @@ class JaxComm:
         and the other results of the last message (a receive's status)."""
         return _dispatch.apply(primitive, x, self._comm, params)
 
-    def allreduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
-        """Element-wise reduction over all ranks, on every rank. Same shapes as x."""
-        return self._apply(_reductions.allreduce_p, x, op=op)[0]
+    def allreduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM, *, in_place: bool = False) -> PyTree:
+        """Element-wise reduction over all ranks, on every rank. Same shapes as x.
 
-    def reduce(self, x: PyTree, op: MPI.Op | str = MPI.SUM, root: int = 0) -> PyTree:
+        ``in_place=True`` reduces in x's buffer (``MPI_IN_PLACE``) where x is
+        donated, so no second array is needed; XLA copies an x still used after
+        the call first. The reductions below take it too.
+        """
+        return self._apply(_reductions.allreduce_p, x, op=op, in_place=in_place)[0]
+
+    def reduce(
+        self, x: PyTree, op: MPI.Op | str = MPI.SUM, root: int = 0, *, in_place: bool = False
+    ) -> PyTree:
         """The reduction on root; other ranks get x back unchanged. Same shapes as x."""
-        return self._apply(_reductions.reduce_p, x, op=op, root=root)[0]
+        return self._apply(_reductions.reduce_p, x, op=op, root=root, in_place=in_place)[0]
 
-    def scan(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
+    def scan(self, x: PyTree, op: MPI.Op | str = MPI.SUM, *, in_place: bool = False) -> PyTree:
         """Inclusive prefix reduction: rank r gets op(x_0, ..., x_r). Same shapes as x."""
-        return self._apply(_reductions.scan_p, x, op=op)[0]
+        return self._apply(_reductions.scan_p, x, op=op, in_place=in_place)[0]
 
-    def exscan(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
+    def exscan(self, x: PyTree, op: MPI.Op | str = MPI.SUM, *, in_place: bool = False) -> PyTree:
         """Exclusive prefix reduction: rank r gets op(x_0, ..., x_{r-1}).
 
         Rank 0 gets the identity of op (0 for SUM, 1 for PROD, the dtype's lowest
         value for MAX, ...) where MPI would leave it undefined. Same shapes as x.
         """
-        return self._apply(_reductions.exscan_p, x, op=op)[0]
+        return self._apply(_reductions.exscan_p, x, op=op, in_place=in_place)[0]
 
     def reduce_scatter(self, x: PyTree, op: MPI.Op | str = MPI.SUM) -> PyTree:
         """x: ``(size, *s)`` on every rank; rank r gets row r of the reduction, shape s."""

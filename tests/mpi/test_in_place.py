@@ -1,6 +1,7 @@
 """Donated inputs: the ops that may run in place reuse the input's buffer (no
 second array) and give the same values as out of place. bcast does so on its root
-(elsewhere MPI overwrites the result), alltoall when asked to (in_place=True)."""
+(elsewhere MPI overwrites the result), the reductions and alltoall when asked to
+(in_place=True)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,12 +10,21 @@ import pytest
 from data import assert_values, rank_data
 
 IN_PLACE = {
-    "allreduce": lambda comm: comm.allreduce,
-    "reduce": lambda comm: lambda x: comm.reduce(x, root=comm.size - 1),
-    "scan": lambda comm: comm.scan,
-    "exscan": lambda comm: comm.exscan,
+    "allreduce": lambda comm: lambda x: comm.allreduce(x, in_place=True),
+    "reduce": lambda comm: lambda x: comm.reduce(x, root=comm.size - 1, in_place=True),
+    "scan": lambda comm: lambda x: comm.scan(x, in_place=True),
+    "exscan": lambda comm: lambda x: comm.exscan(x, in_place=True),
     "bcast": lambda comm: lambda x: comm.bcast(x, root=comm.size - 1),
     "alltoall": lambda comm: lambda x: comm.alltoall(x, in_place=True),
+}
+# What each op does unless asked: out of place, but bcast on its root.
+BY_DEFAULT = {
+    "allreduce": lambda comm: comm.allreduce,
+    "reduce": lambda comm: lambda x: comm.reduce(x, root=0),
+    "scan": lambda comm: comm.scan,
+    "exscan": lambda comm: comm.exscan,
+    "alltoall": lambda comm: comm.alltoall,
+    "bcast": lambda comm: lambda x: comm.bcast(x, root=0),
 }
 
 
@@ -33,11 +43,12 @@ def test_donated_input_is_reused(comm, name, dtype):
     assert_values(got, expected)
 
 
-@pytest.mark.parametrize("name", ["alltoall", "bcast"])
+@pytest.mark.parametrize("name", list(BY_DEFAULT))
 def test_out_of_place_where_in_place_would_cost(comm, name):
-    """alltoall by default, and bcast off its root, never write into x's buffer:
-    a donated x is not reused, and an x used afterwards keeps its values."""
-    fn = {"alltoall": comm.alltoall, "bcast": lambda x: comm.bcast(x, root=0)}[name]
+    """The reductions and alltoall by default, and bcast off its root, never
+    write into x's buffer: XLA need not copy an x used afterwards, which keeps
+    its values."""
+    fn = BY_DEFAULT[name](comm)
     x = rank_data(comm.rank, (comm.size, 8), "float32")
     expected = np.asarray(jax.jit(fn)(jnp.asarray(x)))
     both = jax.jit(lambda v: (fn(v), v * 1))(jnp.asarray(x))
