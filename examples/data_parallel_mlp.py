@@ -61,8 +61,9 @@ def make_train_step(comm: JaxComm, learning_rate: float):
     @jax.jit
     def train_step(params, x, y):
         local_loss, grads = jax.value_and_grad(loss)(params, x, y)
-        # One allreduce for the whole pytree of gradients (and one for the loss).
-        grads = jax.tree.map(lambda g: g / comm.size, comm.allreduce(grads))
+        # One allreduce for the whole pytree of gradients (and one for the loss),
+        # in the gradients' own buffers: they are not needed afterwards.
+        grads = jax.tree.map(lambda g: g / comm.size, comm.allreduce(grads, in_place=True))
         params = jax.tree.map(lambda p, g: p - learning_rate * g, params, grads)
         return params, comm.allreduce(local_loss) / comm.size
 
