@@ -83,9 +83,12 @@ def _posting(
 
     @functools.cache
     def positional(count: int, keywords: tuple[str, ...]) -> tuple[str, ...]:
-        # Signature.bind raises Python's own TypeError for a bad call; it costs
-        # more than a post, so it runs once per way of calling.
-        signature.bind(*range(count), **dict.fromkeys(keywords))
+        # Signature.bind checks the call as Python would; it costs more than a
+        # post, so it runs once per way of calling.
+        try:
+            signature.bind(*range(count), **dict.fromkeys(keywords))
+        except TypeError as error:
+            raise TypeError(f"{operation}: {error}") from None
         return tuple(signature.parameters)[:count]
 
     def post(*args: Any, **kwargs: Any) -> Request:
