@@ -94,6 +94,14 @@ def test_shallow_water_matches_one_rank(shallow_water_1_rank, tmp_path, nprocs):
     np.testing.assert_allclose(state, shallow_water_1_rank, rtol=1e-5, atol=1e-3)
 
 
+def test_shallow_water_without_messages_is_the_same_arithmetic(shallow_water_1_rank, tmp_path):
+    """On one rank the strip is the whole periodic domain: filling its halos from
+    its own edges (--no-messages, the timing baseline) gives the same bits."""
+    path = tmp_path / "alone.npy"
+    run_example("shallow_water.py", 1, *SMALL_WATER, "--no-messages", "--save", str(path))
+    np.testing.assert_array_equal(np.load(path), shallow_water_1_rank)
+
+
 @pytest.mark.parametrize("nprocs", [1, 3])
 def test_shallow_water_overlap_gives_the_same_bits(shallow_water_1_rank, tmp_path, nprocs):
     """--overlap (irecv/isend, interior update, wait, edges) against halo_exchange."""
