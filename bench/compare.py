@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from run import human
+from sizes import human
 
 SLOWER = 1.05  # beyond the run-to-run noise of a ratio measured side by side
 

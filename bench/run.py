@@ -34,6 +34,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).parent))
 import backends as B
+from sizes import human
 
 HERE = Path(__file__).parent
 
@@ -154,14 +155,6 @@ def measure(comm, args, out_file) -> list[dict]:
             if comm.rank == 0:
                 print_row(op, nbytes, records[-len(times) :], [b.name for b in backends])
     return records
-
-
-def human(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if nbytes < 1024 or unit == "MiB":
-            return f"{nbytes:g} {unit}"
-        nbytes //= 1024
-    raise AssertionError
 
 
 def print_row(op, nbytes, records, names):

@@ -114,7 +114,7 @@ def own_halos(q: jax.Array) -> jax.Array:
     return q.at[:, :1].set(q[:, -2:-1]).at[:, -1:].set(q[:, 1:2])
 
 
-def make_step(comm, dx: float, dy: float, dt: float, overlap: bool = False, messages=True):
+def make_step(comm, dx: float, dy: float, dt: float, overlap: bool = False, messages: bool = True):
     left, right = comm.shift(0, 1)
 
     def step(q):
