@@ -19,6 +19,7 @@ import numpy as np
 from jax._src import core, dispatch, effects, sharding_impls
 from jax._src.array import ArrayImpl
 from jax._src.interpreters import ad, mlir
+from jax._src.interpreters import partial_eval as pe
 from jax._src.lib import xla_client
 
 __all__ = [
@@ -89,8 +90,9 @@ def taking_part(trace: Any, args: Sequence[Any]) -> Sequence[Any]:
     (and, transposed, its cotangent) calls. Whether an operand depends on the
     differentiated inputs differs between ranks (a receive's template, data sent
     from a constant, a contribution only some ranks differentiate); the messages
-    must not. The zero of a linearization is a linear value (a frozen ref, which
-    JAX transposes as linear), so the transposed call is made too.
+    must not. The zero of a linearization is a linear value (computed from an
+    input of the linear function, or a frozen ref, both of which JAX transposes
+    as linear), so the transposed call is made too.
     """
     if isinstance(trace, ad.JVPTrace | ad.LinearizeTrace):
         return [_with_tangent(trace, x) for x in args]
@@ -100,15 +102,43 @@ def taking_part(trace: Any, args: Sequence[Any]) -> Sequence[Any]:
 def _with_tangent(trace: Any, x: Any) -> Any:
     primal, tangent = trace.to_primal_tangent_pair(x)
     aval = core.typeof(primal)
-    # jnp's issubdtype: bfloat16 and the float8 types are inexact, not NumPy's.
-    if type(tangent) is not ad.Zero or not jax.numpy.issubdtype(aval.dtype, np.inexact):
+    if type(tangent) is not ad.Zero or not _inexact(aval):
         return x
     if isinstance(trace, ad.JVPTrace):
         with core.set_current_trace(trace.parent_trace):
             return ad.JVPTracer(trace, primal, ad.instantiate_zeros(tangent))
     with core.set_current_trace(trace.tangent_trace):
-        linear_zeros = jax.freeze(jax.new_ref(ad.instantiate_zeros(tangent)))
+        linear_zeros = _zeros_tied_to_an_input(trace.tangent_trace, aval)
+        if linear_zeros is None:
+            linear_zeros = jax.freeze(jax.new_ref(ad.instantiate_zeros(tangent)))
     return ad.LinearizeTracer(trace, primal, linear_zeros)
+
+
+def _zeros_tied_to_an_input(tangent_trace: Any, aval: core.ShapedArray) -> Any:
+    """Zeros of type `aval`, computed linearly (an empty slice, padded) from a
+    floating-point input of the linear function being traced, or None if it has none.
+
+    A linear function is transposed only where it uses its linear inputs: inside a
+    jit whose function ignores its differentiated input on this rank (a receive
+    into a constant template on every rank but the sender), the operation would
+    otherwise be evaluated forward when a derivative is transposed, unlike on the
+    other ranks, and the ranks' messages would not pair up.
+    """
+    inputs = getattr(getattr(tangent_trace, "frame", None), "invars", ())
+    floats = [v for v in inputs if isinstance(v.aval, core.ShapedArray) and _inexact(v.aval)]
+    if not floats:
+        return None
+    source = pe.DynamicJaxprTracer(tangent_trace, floats[0].aval, floats[0], None)
+    empty = jax.lax.slice_in_dim(source.reshape(-1), 0, 0)
+    if jax.numpy.iscomplexobj(empty) and not jax.numpy.issubdtype(aval.dtype, np.complexfloating):
+        empty = jax.lax.real(empty)
+    empty = jax.lax.convert_element_type(empty, aval.dtype)
+    return jax.lax.pad(empty, np.zeros((), aval.dtype), [(aval.size, 0, 0)]).reshape(aval.shape)
+
+
+def _inexact(aval: core.ShapedArray) -> bool:
+    # jnp's issubdtype: bfloat16 and the float8 types are inexact, not NumPy's.
+    return jax.numpy.issubdtype(aval.dtype, np.inexact)
 
 
 def host_arrays(aval: core.ShapedArray, device: Any) -> Callable[[np.ndarray], jax.Array]:

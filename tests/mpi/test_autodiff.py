@@ -275,11 +275,6 @@ def test_second_order(comm, name):
     check_grads(fn, (x,), order=2, modes=["fwd"], eps=1e-4)
     if (name in PAIRS and comm.size > 1) or name in STANDALONE_PAIRS:
         return  # refused (test_derivatives_of_a_send_recv_gradient_are_refused)
-    if name == "bcast_constant_template" and comm.size > 1:
-        # Known gap (docs/autodiff.md): the zero tangent of the constant template
-        # is not transposed as linear inside a jitted gradient, and the ranks'
-        # second cotangents would not pair up.
-        pytest.skip("reverse over reverse of bcast into a constant template")
     # Reverse over reverse: the Hessian-vector product against differences of grads.
     grad = jax.jit(jax.grad(local_loss(comm, name)))
     v = data(comm.rank, comm.size, phase=2.0) - 0.5
