@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from jaxcomm import _eager
 from jaxcomm._fusion import PerLeaf
 from jaxcomm._jax_internals import ArrayImpl
 from jaxcomm._ops import DTYPES, VALID_DTYPES, ReduceOp, as_reduce_op
+from jaxcomm._placement import platforms
 
 #: check(operation, name, value, size) -> the value to use, or an exception that
 #: names the operation and the parameter.
@@ -111,27 +111,26 @@ def check_reduction(operation: str, op: ReduceOp, dtype: np.dtype) -> None:
     )
 
 
-def leaves(operation: str, x: Any, op: ReduceOp | None = None) -> tuple[list[jax.Array], Any]:
-    """x's leaves, as arrays, and its structure, if `operation` can move (or, with
-    `op`, reduce) each leaf's dtype and the leaves are on one platform."""
-    arrays, tree = jax.tree.flatten(x)
-    arrays = [a if isinstance(a, jax.Array) else jnp.asarray(a) for a in arrays]
-    for a in arrays:
+def arrays(operation: str, leaves: list[Any], op: ReduceOp | None = None) -> list[jax.Array]:
+    """A pytree's `leaves` as arrays, if `operation` can move (or, with `op`,
+    reduce) each one's dtype and they are on one platform."""
+    leaves = [a if isinstance(a, jax.Array) else jnp.asarray(a) for a in leaves]
+    for a in leaves:
         if op is None:
             check_dtype(operation, a.dtype)
         else:
             check_reduction(operation, op, a.dtype)
-    if len(arrays) < 2:
-        return arrays, tree
-    platforms = set().union(
-        *(_eager.platforms(a.sharding) for a in arrays if not isinstance(a, jax.core.Tracer))
+    if len(leaves) < 2:
+        return leaves
+    kinds = set().union(
+        *(platforms(a.sharding) for a in leaves if not isinstance(a, jax.core.Tracer))
     )
-    if len(platforms) > 1:
+    if len(kinds) > 1:
         raise ValueError(
             f"{operation}: the arrays are on different platforms "
-            f"({', '.join(sorted(platforms))}); put them on one with jax.device_put"
+            f"({', '.join(sorted(kinds))}); put them on one with jax.device_put"
         )
-    return arrays, tree
+    return leaves
 
 
 def receive_templates(sendbuf: Any, recvbuf: Any) -> tuple[Any, Any]:
@@ -141,10 +140,11 @@ def receive_templates(sendbuf: Any, recvbuf: Any) -> tuple[Any, Any]:
     like = sendbuf if recvbuf is None else recvbuf
     if type(like) is ArrayImpl and type(sendbuf) is ArrayImpl:  # without flattening
         return like.shape, like.dtype
-    arrays, tree = leaves("sendrecv", like)
+    flat, tree = jax.tree.flatten(like)
+    flat = arrays("sendrecv", flat)
     if recvbuf is not None and tree != jax.tree.structure(sendbuf):
         raise ValueError(
             f"sendrecv: recvbuf's structure {tree} differs from sendbuf's "
             f"{jax.tree.structure(sendbuf)}"
         )
-    return PerLeaf(a.shape for a in arrays), PerLeaf(a.dtype for a in arrays)
+    return PerLeaf(a.shape for a in flat), PerLeaf(a.dtype for a in flat)

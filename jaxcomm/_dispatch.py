@@ -1,9 +1,10 @@
 """How a JaxComm method runs its operation on a pytree, the one way every
-blocking call takes: the arguments are checked as the operation declares them
-(jaxcomm._checks), unless the call repeats one that passed (the eager shortcut);
-then the leaves run on the eager path (jaxcomm._eager), while tracing, or, for
-arrays off the host, as one jitted call. The leaves travel as the message plan
-of jaxcomm._fusion says, on every path."""
+blocking call takes: check the arguments as the operation declares them
+(jaxcomm._checks), choose a path, run. The paths: the eager path
+(jaxcomm._eager) for concrete host arrays, which also repeats a call that
+passed the checks without making them again; binding while tracing; one jitted
+call for arrays off the host. The leaves travel as the message plan of
+jaxcomm._fusion says, on every path."""
 
 from __future__ import annotations
 
@@ -15,9 +16,19 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm import _eager, _fusion
+from jaxcomm._eager import ONE_ARRAY
 from jaxcomm._fusion import Params
-from jaxcomm._jax_internals import at_top_level
+from jaxcomm._jax_internals import ArrayImpl, at_top_level
 from jaxcomm._primitive import CommInfo, CommPrimitive
+
+
+def flatten(x: Any) -> tuple[list[Any], Any]:
+    """x's leaves and structure; a lone jax.Array without the pytree machinery."""
+    return ([x], ONE_ARRAY) if type(x) is ArrayImpl else jax.tree.flatten(x)
+
+
+def unflatten(tree: Any, results: list[Any]) -> Any:
+    return results[0] if tree is ONE_ARRAY else tree.unflatten(results)
 
 
 def apply(
@@ -29,33 +40,30 @@ def apply(
     receive's status)."""
     primitive.check_params(params, comm)
     items = tuple(params.items())
-    again = _eager.again(primitive.eager, x, comm, items)
-    if again is not None:  # an earlier call like this one passed the checks below
-        return again
-    leaves, tree = primitive.check_operands(x, params, comm)
+    leaves, tree = flatten(x)
+    done = _eager.repeat(primitive, leaves, tree, comm, items)
+    if done is not None:  # an earlier call like this one passed the checks below
+        return done
+    leaves = primitive.check_operands(leaves, params, comm)
     fuse = primitive.elementwise
-    results, rest = _run(primitive, leaves, comm, items, fuse)
-    _eager.remember(primitive.eager, x, comm, items, fuse)
-    return tree.unflatten(results), rest
-
-
-def _run(primitive, leaves: list, comm, params: Params, fuse: bool) -> tuple[list, tuple]:
-    """`primitive` on every leaf; with `fuse`, small leaves of one dtype as one
-    array, in one MPI call. Returns each leaf's first result (None where the op has
-    none) and the other results of the last message."""
     if _eager.can_run(leaves):
-        return _eager.map_call(primitive.eager, leaves, comm, params, fuse)(leaves)
-    if not at_top_level() or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        results, rest = _eager.run(primitive, leaves, tree, comm, items, fuse)
+    elif not at_top_level() or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
         # Bound in the active trace even on constants: under grad the operation
         # must take part (jaxcomm._jax_internals.taking_part), which a jitted
         # call of constants would hide from it.
-        return _traced(primitive, leaves, comm, params, fuse)
-    # One jitted function per signature: JAX dispatches that faster than the
-    # primitives one by one.
-    return _jitted(primitive, comm, params, fuse, leaves)
+        results, rest = _traced(primitive, leaves, comm, items, fuse)
+    else:
+        # One jitted function per signature: JAX dispatches that faster than the
+        # primitives one by one.
+        results, rest = _jitted(primitive, comm, items, fuse, leaves)
+    return unflatten(tree, results), rest
 
 
-def _traced(primitive, leaves, comm, params, fuse):
+def _traced(primitive, leaves, comm, params: Params, fuse: bool) -> tuple[list, tuple]:
+    """`primitive` bound on every leaf; with `fuse`, small leaves of one dtype as
+    one array, in one MPI call. Returns each leaf's first result (None where the
+    op has none) and the other results of the last message."""
     results: list[Any] = [None] * len(leaves)
     rest: tuple = ()
     for message in _fusion.messages([(leaf.shape, leaf.dtype) for leaf in leaves], fuse):
@@ -80,6 +88,6 @@ def _jitted(primitive, comm, params, fuse, leaves):
 def run_alone(primitive, comm, **params: Any) -> None:
     """An operation on no arrays (barrier): one call, eagerly where it can be."""
     if _eager.can_run(()):
-        primitive.eager((), comm, **params)
+        _eager.call(primitive, (), comm, tuple(params.items()))
     else:
         primitive.bind(comm=comm, **params)

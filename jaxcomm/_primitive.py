@@ -3,7 +3,8 @@
 Every operation of the C++ table (cpp/ops.h) is a multiple-results primitive
 carrying COMM_EFFECT, lowered to the FFI target ``jaxcomm_<name>`` with the effect
 token threaded through it and the table's attributes, and run eagerly on host
-arrays by jaxcomm._eager (else by compiling the single primitive). The op
+arrays by jaxcomm._eager, from the declaration (else by compiling the single
+primitive). The op
 families (_reductions, _collectives, _p2p, _replicated, _nonblocking) declare
 their primitives with `comm_primitive` and attach JVP, transpose and batching
 rules with jaxcomm._rules.define_rules.
@@ -15,14 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 from jax import core
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from mpi4py import MPI
 
-from jaxcomm import _checks, _eager
+from jaxcomm import _checks
 from jaxcomm._checks import Check
 from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token, taking_part
 from jaxcomm._native import PLATFORMS, cpu
@@ -70,8 +70,9 @@ def asked_in_place(x, *, in_place: bool = False, **_):
 
 
 class CommPrimitive(Primitive):
-    """A jaxcomm operation. `eager` runs it at once on concrete host arrays, outside
-    JAX's dispatch (jaxcomm._eager); binding it outside a trace compiles it."""
+    """A jaxcomm operation, as declared by `comm_primitive`. Binding it outside a
+    trace compiles it; jaxcomm._eager runs it on concrete host arrays without
+    JAX's dispatch, from the same declaration."""
 
     multiple_results = True
 
@@ -94,7 +95,6 @@ class CommPrimitive(Primitive):
         # The params passed to the FFI handler after the communicator and checking
         # flag, by name inside jit and in this order eagerly: the C++ table's.
         self.attrs: tuple[str, ...] = _ATTRIBUTES[name]
-        self.eager = _eager.EagerOp(name, abstract_eval, self.attrs, templates=int(template))
         self.def_impl(partial(apply_primitive, self))
 
     def bind_with_trace(self, trace, args, *rest):
@@ -109,14 +109,12 @@ class CommPrimitive(Primitive):
             if name in params:
                 params[name] = check(self.op_name, name, params[name], comm.size)
 
-    def check_operands(
-        self, x: Any, params: dict[str, Any], comm: CommInfo
-    ) -> tuple[list[jax.Array], Any]:
-        """x's leaves and structure, checked for a call with (checked) `params`:
-        dtypes and platform (jaxcomm._checks.leaves) and, where declared, a leading
+    def check_operands(self, leaves: list[Any], params: dict[str, Any], comm: CommInfo) -> list:
+        """The leaves of x as arrays, checked for a call with (checked) `params`:
+        dtypes and platform (jaxcomm._checks.arrays) and, where declared, a leading
         axis of length size; a receive from MPI.ANY_SOURCE takes one array."""
         operation = self.op_name
-        leaves, tree = _checks.leaves(operation, x, params.get("op"))
+        leaves = _checks.arrays(operation, leaves, params.get("op"))
         if len(leaves) > 1 and params.get("source") == MPI.ANY_SOURCE:
             raise ValueError(
                 f"{operation}: a pytree of several arrays needs an explicit source, "
@@ -126,14 +124,14 @@ class CommPrimitive(Primitive):
         if callable(what):
             what = what(comm, **params)
         if what is None:
-            return leaves, tree
+            return leaves
         for leaf in leaves:
             if leaf.ndim == 0 or leaf.shape[0] != comm.size:
                 raise ValueError(
                     f"{operation}: {what} must have a leading axis of length size={comm.size}, "
                     f"got shape {leaf.shape}"
                 )
-        return leaves, tree
+        return leaves
 
 
 def comm_primitive(

@@ -3,7 +3,7 @@ returns a Request, which a wait completes.
 
 A post checks its arguments as the start primitive declares them (those of its
 blocking twin), then posts each message of the same plan as the blocking form
-(jaxcomm._fusion): on the eager path at once, through the start's EagerOp, or
+(jaxcomm._fusion): on the eager path at once (jaxcomm._eager.call), or
 while tracing by binding the start primitive (jaxcomm._nonblocking). The Request
 keeps the buffers of every message and waits for them all.
 """
@@ -21,9 +21,11 @@ from jax import core
 from mpi4py import MPI
 
 from jaxcomm import _eager, _fusion, _nonblocking
-from jaxcomm._fusion import Params
-from jaxcomm._jax_internals import ArrayImpl, at_top_level, current_trace
+from jaxcomm._dispatch import flatten
+from jaxcomm._eager import ONE_ARRAY
+from jaxcomm._jax_internals import at_top_level, current_trace
 from jaxcomm._native import cpu
+from jaxcomm._placement import platforms
 from jaxcomm._primitive import CommInfo
 
 
@@ -204,13 +206,15 @@ def start(
     for them all."""
     op = _nonblocking.OPERATIONS[operation]
     plan = _fusion.messages([(leaf.shape, leaf.dtype) for leaf in leaves], op.start.elementwise)
+    items = tuple(params.items())
+    alone = tree is ONE_ARRAY  # what repeat can take next time
     parts, posted = [], []
     for message in plan:
         members = [leaves[i] for i in message.members]
         direct = _eager.can_run(members)
         data = message.pack(leaves, np if direct else jnp) if message.fused else members[0]
         if direct:  # NumPy results, which MPI writes until the wait
-            outputs = op.start.eager([data], comm, wrapped=0, like=members[0], **params)
+            outputs = _eager.call(op.start, [data], comm, items, remember=alone)
         else:
             number = 0 if at_top_level() else next(_nonblocking.POSTED)
             posted.append(number)
@@ -219,33 +223,8 @@ def start(
     return Request(operation, comm, params, plan, parts, leaves, tree, return_status, tuple(posted))
 
 
-_ONE_ARRAY = jax.tree.structure(0)
 # The plan of one array: it travels alone (only a lone message's members are read).
 _ALONE = [_fusion.Message(members=(0,), shapes=((),), spans=((0, 1),))]
-
-
-def again(operation: str, x: Any, comm: CommInfo, params: Params, return_status: bool):
-    """The Request of posting `operation` on the array x now, if an earlier post
-    on an array like x passed the method's checks (`remember`) and no trace is
-    active; else None."""
-    if type(x) is not ArrayImpl:
-        return None
-    op = _nonblocking.OPERATIONS[operation]
-    found = _eager.again(op.start.eager, x, comm, params)
-    if found is None:
-        return None
-    first, rest = found
-    part = _part(op.kind, [first, *rest], x, direct=True)
-    return Request(
-        operation, comm, dict(params), _ALONE, [part], [x], _ONE_ARRAY, return_status, now=True
-    )
-
-
-def remember(operation: str, x: Any, comm: CommInfo, params: Params) -> None:
-    """Let `again` take posts like this one, on x which has just passed the
-    method's checks."""
-    start_p = _nonblocking.OPERATIONS[operation].start
-    _eager.remember_array(start_p.eager, x, comm, params, wrapped=0)
 
 
 def post(
@@ -256,18 +235,21 @@ def post(
     start_p = _nonblocking.OPERATIONS[operation].start
     start_p.check_params(params, comm)
     items = tuple(params.items())
-    request = again(operation, x, comm, items, return_status)
-    if request is not None:  # an earlier post like this one passed the checks below
-        return request
-    leaves, tree = start_p.check_operands(x, params, comm)
+    leaves, tree = flatten(x)
+    found = _eager.repeat(start_p, leaves, tree, comm, items) if tree is ONE_ARRAY else None
+    if found is not None:  # an earlier post like this one passed the checks below
+        first, rest = found
+        part = _part(_nonblocking.OPERATIONS[operation].kind, [first, *rest], x, direct=True)
+        return Request(
+            operation, comm, dict(items), _ALONE, [part], leaves, tree, return_status, now=True
+        )
+    leaves = start_p.check_operands(leaves, params, comm)
     if params.get("source") == MPI.ANY_SOURCE and comm.check:
         raise ValueError(f"{operation}: checking mode needs an explicit source, not MPI.ANY_SOURCE")
     for leaf in leaves:
-        if not isinstance(leaf, jax.core.Tracer) and "cpu" not in _eager.platforms(leaf.sharding):
+        if not isinstance(leaf, jax.core.Tracer) and "cpu" not in platforms(leaf.sharding):
             raise NotImplementedError(
                 f"{operation}: non-blocking operations take host (CPU) arrays; "
                 "on GPU use the blocking form"
             )
-    request = start(operation, leaves, tree, comm=comm, return_status=return_status, **params)
-    remember(operation, x, comm, items)
-    return request
+    return start(operation, leaves, tree, comm=comm, return_status=return_status, **params)

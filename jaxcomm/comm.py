@@ -424,7 +424,8 @@ class JaxComm:
         identical on every rank; where each rank uses the value differently, pass it
         through pvary so that its cotangent is summed over ranks instead.
         """
-        leaves, tree = _checks.leaves("pvary", x)
+        leaves, tree = jax.tree.flatten(x)
+        leaves = _checks.arrays("pvary", leaves)
         comm = self._comm
         return jax.tree.unflatten(tree, [_replicated.pvary(leaf, comm=comm) for leaf in leaves])
 

@@ -23,13 +23,13 @@ def full_path_calls(monkeypatch):
     starting from an empty cache of prepared calls (whatever tests ran before)."""
     monkeypatch.setattr(_eager, "_prepared_calls", _eager._Prepared(64))
     calls = []
-    leaves = _checks.leaves
+    arrays = _checks.arrays
 
     def counted(operation, *args, **kwargs):
         calls.append(operation)
-        return leaves(operation, *args, **kwargs)
+        return arrays(operation, *args, **kwargs)
 
-    monkeypatch.setattr(_checks, "leaves", counted)
+    monkeypatch.setattr(_checks, "arrays", counted)
     return calls
 
 
