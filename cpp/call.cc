@@ -160,8 +160,18 @@ std::string describe_array(ffi::DataType dtype, ffi::Span<const int64_t> dims) {
   return text + ']';
 }
 
-Call::Call(int64_t comm_key, bool check, std::string_view op)
-    : comm_(comm_of(comm_key)), check_(check), op_(op) {
+namespace {
+thread_local std::string_view entered_operation = "jaxcomm";
+}  // namespace
+
+Entered::Entered(std::string_view operation) : outer_(entered_operation) {
+  entered_operation = operation;
+}
+Entered::~Entered() { entered_operation = outer_; }
+std::string_view current_operation() { return entered_operation; }
+
+Call::Call(int64_t comm_key, bool check)
+    : comm_(comm_of(comm_key)), check_(check), op_(current_operation()) {
   calls.fetch_add(1, std::memory_order_relaxed);
   const Settings& s = settings();
   if (s.debug) start_ = Clock::now();
@@ -170,13 +180,12 @@ Call::Call(int64_t comm_key, bool check, std::string_view op)
     Watch& w = watch();
     std::lock_guard lock(w.mutex);
     w.busy = true;
-    w.current = std::string(op);  // refined as parameters arrive
+    w.current = std::string(op_);  // refined as parameters arrive
     w.since = Clock::now();
   }
 }
 
-Call::Call(int64_t comm_key, bool check, std::string_view op, const ffi::AnyBuffer& data)
-    : Call(comm_key, check, op) {
+Call::Call(int64_t comm_key, bool check, const ffi::AnyBuffer& data) : Call(comm_key, check) {
   has_array_ = true;
   dtype_ = data.element_type();
   dims_ = data.dimensions();

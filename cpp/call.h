@@ -41,14 +41,30 @@ const char* dtype_name(ffi::DataType dtype);
 // "float32[3,4]"
 std::string describe_array(ffi::DataType dtype, ffi::Span<const int64_t> dims);
 
+// The operation this thread is running, as the table in ops.h names it: set on
+// entry by the wrapper that calls a host function (a CPU or CUDA handler, an eager
+// call), for Call, the log and error messages. Per thread: XLA may run handlers
+// on several.
+class Entered {
+ public:
+  explicit Entered(std::string_view operation);
+  ~Entered();
+  Entered(const Entered&) = delete;
+  Entered& operator=(const Entered&) = delete;
+
+ private:
+  std::string_view outer_;
+};
+std::string_view current_operation();
+
 // One operation, from its handler's entry to its return.
 class Call {
  public:
   // `comm_key` is the communicator's key (register_comm). `data` is the op's
   // data (its input, or for scatter and recv its output), described in the log,
   // the fingerprint and the watchdog's report.
-  Call(int64_t comm_key, bool check, std::string_view op, const ffi::AnyBuffer& data);
-  Call(int64_t comm_key, bool check, std::string_view op);  // no data: barrier
+  Call(int64_t comm_key, bool check, const ffi::AnyBuffer& data);
+  Call(int64_t comm_key, bool check);  // no data: barrier
   ~Call();
   Call(const Call&) = delete;
   Call& operator=(const Call&) = delete;

@@ -13,10 +13,10 @@
 #include <utility>
 
 #include "call.h"
+#include "datatypes.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
 #include "ops.h"
-#include "reduction.h"
 #include "requests.h"
 
 namespace jaxcomm::host {
@@ -77,17 +77,17 @@ ffi::Error reduce_elements(Call& call, const Buffer& x, Result& out, int32_t op)
 
 ffi::Error Allreduce(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                      int32_t op) {
-  Call call(comm_key, check, "allreduce", x);
+  Call call(comm_key, check, x);
   return reduce_elements<MPI_Allreduce>(call, x, out, op);
 }
 
 ffi::Error Scan(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check, int32_t op) {
-  Call call(comm_key, check, "scan", x);
+  Call call(comm_key, check, x);
   return reduce_elements<MPI_Scan>(call, x, out, op);
 }
 
 ffi::Error Exscan(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check, int32_t op) {
-  Call call(comm_key, check, "exscan", x);
+  Call call(comm_key, check, x);
   if (auto err = reduce_elements<MPI_Exscan>(call, x, out, op); err.failure()) return err;
   // MPI leaves exscan's rank-0 result undefined; jaxcomm's is the identity of op.
   if (comm_rank(call.comm()) == 0) fill_identity(out, op);
@@ -96,7 +96,7 @@ ffi::Error Exscan(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool 
 
 ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check, int32_t op,
                   int32_t root) {
-  Call call(comm_key, check, "reduce", x);
+  Call call(comm_key, check, x);
   auto [error, comm, type, mpi] = start_reduction(call.param("root", root), x, op);
   if (error.failure()) return error;
   const bool is_root = comm_rank(comm) == root;
@@ -110,21 +110,21 @@ ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool 
                                                ? MPI_Reduce(i, o, n, type, mpi, root, comm)
                                                : MPI_Reduce(o, nullptr, n, type, mpi, root, comm);
                                   }),
-                    "reduce", comm);
+                    current_operation(), comm);
   if (is_root) normalize_logical(out, op);
   return ffi::Error::Success();
 }
 
 ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                          int32_t op) {
-  Call call(comm_key, check, "reduce_scatter", x);
+  Call call(comm_key, check, x);
   auto [error, comm, type, mpi] = start_reduction(call, x, op);
   if (error.failure()) return error;
   const int64_t block = out->element_count();
   if (block <= kMaxCount) {
     JAXCOMM_CHECK_MPI(MPI_Reduce_scatter_block(x.untyped_data(), out->untyped_data(),
                                                static_cast<int>(block), type, mpi, comm),
-                      "reduce_scatter", comm);
+                      current_operation(), comm);
   } else {
     // A block too large for an int count (a derived datatype cannot carry a
     // reduction): one reduce per destination rank, each in int-sized pieces.
@@ -137,7 +137,7 @@ ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_key
                                                            bytes(out) + offset * width, n, type,
                                                            mpi, root, comm);
                                        }),
-                        "reduce_scatter", comm);
+                        current_operation(), comm);
     }
   }
   normalize_logical(out, op);
@@ -146,7 +146,7 @@ ffi::Error ReduceScatter(Token, Buffer x, TokenOut, Result out, int64_t comm_key
 
 ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                  int32_t root) {
-  Call call(comm_key, check, "bcast", x);
+  Call call(comm_key, check, x);
   auto [error, comm, type] = start(call.param("root", root), x);
   if (error.failure()) return error;
   if (comm_rank(comm) == root) copy_if_distinct(out, x);
@@ -156,18 +156,18 @@ ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool c
                                      return MPI_Bcast(bytes(out) + offset * width, n, type, root,
                                                       comm);
                                    }),
-                    "bcast", comm);
+                    current_operation(), comm);
   return ffi::Error::Success();
 }
 
 ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check) {
-  Call call(comm_key, check, "allgather", x);
+  Call call(comm_key, check, x);
   auto [error, comm, type] = start(call, x);
   if (error.failure()) return error;
   Block block(x.element_count(), type);
   JAXCOMM_CHECK_MPI(MPI_Allgather(x.untyped_data(), block.count(), block.type(),
                                   out->untyped_data(), block.count(), block.type(), comm),
-                    "allgather", comm);
+                    current_operation(), comm);
   return ffi::Error::Success();
 }
 
@@ -177,9 +177,8 @@ namespace {
 // own block (MPI's functions share a signature).
 template <bool kGather>
 ffi::Error rooted_blocks(const Buffer& x, Result& out, int64_t comm_key, bool check, int32_t root) {
-  constexpr std::string_view name = kGather ? "gather" : "scatter";
   const Buffer& own = kGather ? x : *out;  // this rank's block
-  Call call(comm_key, check, name, own);
+  Call call(comm_key, check, own);
   auto [error, comm, type] = start(call.param("root", root), x);
   if (error.failure()) return error;
   Block block(own.element_count(), type);
@@ -190,7 +189,7 @@ ffi::Error rooted_blocks(const Buffer& x, Result& out, int64_t comm_key, bool ch
   JAXCOMM_CHECK_MPI(exchange(kGather || is_root ? x.untyped_data() : nullptr, block.count(),
                              block.type(), kGather && !is_root ? nullptr : out->untyped_data(),
                              block.count(), block.type(), root, comm),
-                    name, comm);
+                    call.operation(), comm);
   return ffi::Error::Success();
 }
 
@@ -207,21 +206,21 @@ ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool
 }
 
 ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check) {
-  Call call(comm_key, check, "alltoall", x);
+  Call call(comm_key, check, x);
   auto [error, comm, type] = start(call, x);
   if (error.failure()) return error;
   Block block(x.element_count() / comm_size(comm), type);
   const void* in = bytes(out) == bytes(x) ? MPI_IN_PLACE : x.untyped_data();
   JAXCOMM_CHECK_MPI(MPI_Alltoall(in, block.count(), block.type(), out->untyped_data(),
                                  block.count(), block.type(), comm),
-                    "alltoall", comm);
+                    current_operation(), comm);
   return ffi::Error::Success();
 }
 
 ffi::Error Barrier(Token, TokenOut, int64_t comm_key, bool check) {
-  Call call(comm_key, check, "barrier");
+  Call call(comm_key, check);
   if (auto err = call.agree(); err.failure()) return err;
-  JAXCOMM_CHECK_MPI(MPI_Barrier(call.comm()), "barrier", call.comm());
+  JAXCOMM_CHECK_MPI(MPI_Barrier(call.comm()), current_operation(), call.comm());
   return ffi::Error::Success();
 }
 
@@ -262,10 +261,10 @@ void normalize_later(Owned& owned, Result& out, int32_t op) {
 
 ffi::Error Iallreduce(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
                       int64_t comm_key, bool check, int32_t op) {
-  Call call(comm_key, check, "iallreduce", x);
+  Call call(comm_key, check, x);
   auto [error, comm, type, mpi] = start_reduction(call, x, op);
   if (error.failure()) return error;
-  Owned owned = own_buffers("iallreduce", comm_key, check, x, out);
+  Owned owned = own_buffers(current_operation(), comm_key, check, x, out);
   normalize_later(owned, out, op);
   auto& requests = owned.pending.requests;
   JAXCOMM_CHECK_MPI(reduce_pieces(owned.in, owned.result, x.element_count(), type,
@@ -273,25 +272,24 @@ ffi::Error Iallreduce(Token, Buffer x, TokenOut, Result out, Result request, Res
                                     return MPI_Iallreduce(i, o, n, type, mpi, comm,
                                                           &requests.emplace_back());
                                   }),
-                    "iallreduce", comm);
+                    current_operation(), comm);
   return post(request->untyped_data(), std::move(owned.pending));
 }
 
 ffi::Error IreduceScatter(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
                           int64_t comm_key, bool check, int32_t op) {
-  Call call(comm_key, check, "ireduce_scatter", x);
+  Call call(comm_key, check, x);
   auto [error, comm, type, mpi] = start_reduction(call, x, op);
   if (error.failure()) return error;
   const int64_t block = out->element_count();
   if (block > kMaxCount)
-    return invalid_argument("ireduce_scatter",
-                            "rows of more than 2^31 - 1 elements; use "
-                            "reduce_scatter");
-  Owned owned = own_buffers("ireduce_scatter", comm_key, check, x, out);
+    return invalid_argument(current_operation(),
+                            "rows of more than 2^31 - 1 elements; use the blocking form");
+  Owned owned = own_buffers(current_operation(), comm_key, check, x, out);
   normalize_later(owned, out, op);
   JAXCOMM_CHECK_MPI(MPI_Ireduce_scatter_block(owned.in, owned.result, static_cast<int>(block), type,
                                               mpi, comm, &owned.pending.requests.emplace_back()),
-                    "ireduce_scatter", comm);
+                    current_operation(), comm);
   return post(request->untyped_data(), std::move(owned.pending));
 }
 
@@ -300,10 +298,10 @@ ffi::Error IreduceScatter(Token, Buffer x, TokenOut, Result out, Result request,
 // the other ranks copy theirs out at the wait.
 ffi::Error Ibcast(Token, Buffer x, TokenOut, Result out, Result request, int64_t comm_key,
                   bool check, int32_t root) {
-  Call call(comm_key, check, "ibcast", x);
+  Call call(comm_key, check, x);
   auto [error, comm, type] = start(call.param("root", root), x);
   if (error.failure()) return error;
-  Pending pending{"ibcast", comm_key, check};
+  Pending pending{current_operation(), comm_key, check};
   char* data = nullptr;
   if (comm_rank(comm) == root) {
     copy_if_distinct(out, x);
@@ -317,7 +315,7 @@ ffi::Error Ibcast(Token, Buffer x, TokenOut, Result out, Result request, int64_t
                                      return MPI_Ibcast(data + offset * width, n, type, root, comm,
                                                        &pending.requests.emplace_back());
                                    }),
-                    "ibcast", comm);
+                    current_operation(), comm);
   return post(request->untyped_data(), std::move(pending));
 }
 
@@ -328,8 +326,8 @@ namespace {
 template <bool kAlltoall>
 ffi::Error exchange_blocks(const Buffer& x, Result& out, Result& request, int64_t comm_key,
                            bool check) {
-  constexpr std::string_view name = kAlltoall ? "ialltoall" : "iallgather";
-  Call call(comm_key, check, name, x);
+  Call call(comm_key, check, x);
+  const std::string_view name = call.operation();
   auto [error, comm, type] = start(call, x);
   if (error.failure()) return error;
   // MPI lets a datatype be freed (Block's destructor) while a request uses it.

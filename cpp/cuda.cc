@@ -300,6 +300,7 @@ struct Staged<Function> {
   }
 
   static ffi::Error Call(cudaStream_t stream, Args... args) {
+    Entered entered(kOperationName<Function>);
     if (direct(args...)) {
       JAXCOMM_CHECK_CUDA(cudaStreamSynchronize(stream), "waiting for the inputs");
       DeviceMemory device(stream);

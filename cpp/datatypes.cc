@@ -1,4 +1,4 @@
-#include "reduction.h"
+#include "datatypes.h"
 
 #include <complex>
 #include <cstring>

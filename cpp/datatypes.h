@@ -1,8 +1,8 @@
 // The MPI datatype and operator behind each jaxcomm dtype and reduction, and what
 // jaxcomm adds to MPI's reductions: results split into int-sized pieces, the
 // identity that exscan gives rank 0, and logical results that are always 0 or 1.
-#ifndef JAXCOMM_REDUCTION_H_
-#define JAXCOMM_REDUCTION_H_
+#ifndef JAXCOMM_DATATYPES_H_
+#define JAXCOMM_DATATYPES_H_
 
 #include <mpi.h>
 
@@ -46,4 +46,4 @@ void normalize_logical(void* data, ffi::DataType dtype, int64_t count, int32_t r
 
 }  // namespace jaxcomm::host
 
-#endif  // JAXCOMM_REDUCTION_H_
+#endif  // JAXCOMM_DATATYPES_H_

@@ -1,7 +1,7 @@
 // jaxcomm's operations: the host-memory functions (collectives.cc, p2p.cc,
-// check_replicated.cc), their XLA FFI bindings and the one table of targets that
-// both backends register from. The CPU backend (module_cpu.cc) binds the
-// functions directly; the CUDA backend (mpi_cuda.cc) binds them behind staging,
+// replicated.cc), their XLA FFI bindings and the one table of targets that
+// both backends register from. The CPU backend (cpu.cc) binds the
+// functions directly; the CUDA backend (cuda.cc) binds them behind staging,
 // with XLA's CUDA stream as an extra context argument.
 #ifndef JAXCOMM_OPS_H_
 #define JAXCOMM_OPS_H_
@@ -168,6 +168,19 @@ auto no_input(Binding&& base) {
   X(ialltoall, Ialltoall, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)), )           \
   X(isend, Isend, (one_input<host::Buffer, host::Buffer>(base)), A(int32_t, dest) A(int32_t, tag)) \
   X(irecv, Irecv, (no_input<host::Buffer, host::Buffer>(base)), A(int32_t, source) A(int32_t, tag))
+
+// Each host function's operation name, from the tables above: what the wrapper
+// that calls it (a handler, an eager call) enters (call.h, Entered).
+template <auto Function>
+inline constexpr std::string_view kOperationName = "jaxcomm";
+#define JAXCOMM_OPERATION_NAME(name, function, ...) \
+  template <>                                       \
+  inline constexpr std::string_view kOperationName<&host::function> = #name;
+JAXCOMM_OPERATIONS(JAXCOMM_OPERATION_NAME, _, JAXCOMM_ATTRIBUTE_NAME)
+JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_OPERATION_NAME, _, JAXCOMM_ATTRIBUTE_NAME)
+JAXCOMM_OPERATION_NAME(wait, Wait)
+JAXCOMM_OPERATION_NAME(test, Test)
+#undef JAXCOMM_OPERATION_NAME
 
 template <typename Binding>
 auto waiting(Binding&& base) {

@@ -13,10 +13,10 @@
 #include <vector>
 
 #include "call.h"
+#include "datatypes.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
 #include "ops.h"
-#include "reduction.h"
 #include "requests.h"
 
 namespace jaxcomm::host {
@@ -30,7 +30,7 @@ namespace {
 Pending sending(const void* data, int n, MPI_Datatype type) {
   int width = 0;
   MPI_Type_size(type, &width);
-  Pending pending{"send"};
+  Pending pending{current_operation()};
   pending.own_copy(data, static_cast<size_t>(n) * static_cast<size_t>(width));
   return pending;
 }
@@ -143,11 +143,11 @@ class PieceReceiver {
 
 ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_key, bool check, int32_t dest,
                 int32_t tag) {
-  Call call(comm_key, check, "send", x);
+  Call call(comm_key, check, x);
   call.peer("dest", dest).peer("tag", tag);
   MPI_Comm comm = call.comm();
   MPI_Datatype type;
-  if (auto err = datatype_of(x, "send", &type); err.failure()) return err;
+  if (auto err = datatype_of(x, current_operation(), &type); err.failure()) return err;
   if (auto err = call.send_header(dest, tag, pieces(x.element_count())); err.failure()) return err;
   const size_t width = ffi::ByteWidth(x.element_type());
   JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
@@ -155,17 +155,17 @@ ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_key, bool check, int32_t
                                      return send(bytes(x) + offset * width, n, type, dest, tag,
                                                  comm);
                                    }),
-                    "send", comm);
+                    current_operation(), comm);
   return ffi::Error::Success();
 }
 
 ffi::Error Recv(Token, TokenOut, Result out, Status status, int64_t comm_key, bool check,
                 int32_t source, int32_t tag) {
-  Call call(comm_key, check, "recv", *out);
+  Call call(comm_key, check, *out);
   call.peer("source", source).peer("tag", tag);
   MPI_Comm comm = call.comm();
   MPI_Datatype type = mpi_datatype(out->element_type());
-  if (type == MPI_DATATYPE_NULL) return invalid_argument("recv", "unsupported dtype");
+  if (type == MPI_DATATYPE_NULL) return invalid_argument(current_operation(), "unsupported dtype");
   if (auto err = call.recv_header(&source, &tag, out->element_type(), out->dimensions());
       err.failure())
     return err;
@@ -176,19 +176,20 @@ ffi::Error Recv(Token, TokenOut, Result out, Status status, int64_t comm_key, bo
     MPI_Status s{};
     const int code =
         recv(bytes(out) + offset * width, n, type, receiver.source(), receiver.tag(), comm, &s);
-    return receiver.arrived(offset / kMaxCount, code, s, type, n, "recv");
+    return receiver.arrived(offset / kMaxCount, code, s, type, n, current_operation());
   });
-  return receiver.finish(result, "recv", comm, status);
+  return receiver.finish(result, current_operation(), comm, status);
 }
 
 ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm_key,
                     bool check, int32_t source, int32_t dest, int32_t sendtag, int32_t recvtag) {
-  Call call(comm_key, check, "sendrecv", x);
+  Call call(comm_key, check, x);
   call.peer("source", source).peer("dest", dest);
   MPI_Comm comm = call.comm();
   MPI_Datatype send_type, recv_type = mpi_datatype(out->element_type());
-  if (auto err = datatype_of(x, "sendrecv", &send_type); err.failure()) return err;
-  if (recv_type == MPI_DATATYPE_NULL) return invalid_argument("sendrecv", "unsupported dtype");
+  if (auto err = datatype_of(x, current_operation(), &send_type); err.failure()) return err;
+  if (recv_type == MPI_DATATYPE_NULL)
+    return invalid_argument(current_operation(), "unsupported dtype");
   const int64_t send_count = x.element_count(), recv_count = out->element_count();
   const size_t send_width = ffi::ByteWidth(x.element_type());
   const size_t recv_width = ffi::ByteWidth(out->element_type());
@@ -227,9 +228,9 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
     const int code =
         sendrecv(bytes(x) + offset * send_width, sn, send_type, to, sendtag,
                  bytes(out) + offset * recv_width, rn, recv_type, from, receiver.tag(), comm, &s);
-    return receiver.arrived(step, code, s, recv_type, rn, "sendrecv");
+    return receiver.arrived(step, code, s, recv_type, rn, current_operation());
   });
-  return receiver.finish(result, "sendrecv", comm, status);
+  return receiver.finish(result, current_operation(), comm, status);
 }
 
 // `tags` holds (sendtag, recvtag), computed at run time: the AD rules of receives
@@ -239,7 +240,7 @@ ffi::Error TaggedSendrecv(Token token, Buffer x, Buffer tags, TokenOut token_out
                           Status status, int64_t comm_key, bool check, int32_t source,
                           int32_t dest) {
   if (tags.element_type() != ffi::DataType::S32 || tags.element_count() != 2)
-    return invalid_argument("sendrecv", "tags must be int32[2]");
+    return invalid_argument(current_operation(), "tags must be int32[2]");
   const auto* tag = static_cast<const int32_t*>(tags.untyped_data());
   // The status of a receive from MPI_PROC_NULL holds MPI_ANY_TAG, which no send takes.
   const int32_t sendtag = dest == MPI_PROC_NULL ? 0 : tag[0];
@@ -250,12 +251,12 @@ ffi::Error TaggedSendrecv(Token token, Buffer x, Buffer tags, TokenOut token_out
 // sends a copy of x; irecv receives into a buffer that the wait copies out.
 ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result /*keep*/, int64_t comm_key,
                  bool check, int32_t dest, int32_t tag) {
-  Call call(comm_key, check, "isend", x);
+  Call call(comm_key, check, x);
   call.peer("dest", dest).peer("tag", tag);
   MPI_Comm comm = call.comm();
   MPI_Datatype type;
-  if (auto err = datatype_of(x, "isend", &type); err.failure()) return err;
-  Pending pending{"isend", comm_key, check};
+  if (auto err = datatype_of(x, current_operation(), &type); err.failure()) return err;
+  Pending pending{current_operation(), comm_key, check};
   // Only checking mode sends a header; it lives as long as the requests, which
   // end with `finish`.
   auto header = check ? std::make_shared<Call::MessageHeader>() : nullptr;
@@ -273,7 +274,7 @@ ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result /*keep*/, int
                                      return MPI_Isend(data + offset * width, n, type, dest, tag,
                                                       comm, &pending.requests.emplace_back());
                                    }),
-                    "isend", comm);
+                    current_operation(), comm);
   return post(request->untyped_data(), std::move(pending));
 }
 
@@ -282,16 +283,17 @@ ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result /*keep*/, int
 // each other's headers.
 ffi::Error Irecv(Token, TokenOut, Result out, Result request, int64_t comm_key, bool check,
                  int32_t source, int32_t tag) {
-  Call call(comm_key, check, "irecv", *out);
+  Call call(comm_key, check, *out);
   call.peer("source", source).peer("tag", tag);
   if (auto err = call.live(); err.failure()) return err;
   MPI_Comm comm = call.comm();
   MPI_Datatype type = mpi_datatype(out->element_type());
-  if (type == MPI_DATATYPE_NULL) return invalid_argument("irecv", "unsupported dtype");
+  if (type == MPI_DATATYPE_NULL) return invalid_argument(current_operation(), "unsupported dtype");
   const int64_t count = out->element_count();
   if (source == MPI_ANY_SOURCE && (check || pieces(count) > 1))
-    return invalid_argument("irecv", "MPI.ANY_SOURCE needs one message without checking mode");
-  Pending pending{"irecv", comm_key, check};
+    return invalid_argument(current_operation(),
+                            "MPI.ANY_SOURCE needs one message without checking mode");
+  Pending pending{current_operation(), comm_key, check};
   pending.cancellable = true;
   char* data = pending.own_result(out->size_bytes());
   if (source == MPI_PROC_NULL) std::memset(data, 0, out->size_bytes());
@@ -300,14 +302,14 @@ ffi::Error Irecv(Token, TokenOut, Result out, Result request, int64_t comm_key, 
   if (header)
     JAXCOMM_CHECK_MPI(MPI_Irecv(incoming.get(), sizeof *incoming, MPI_BYTE, source, tag, comm,
                                 &pending.requests.emplace_back()),
-                      "irecv", comm);
+                      current_operation(), comm);
   const size_t width = ffi::ByteWidth(out->element_type());
   JAXCOMM_CHECK_MPI(for_each_piece(count,
                                    [&](int64_t offset, int n) {
                                      return MPI_Irecv(data + offset * width, n, type, source, tag,
                                                       comm, &pending.requests.emplace_back());
                                    }),
-                    "irecv", comm);
+                    current_operation(), comm);
   std::vector<int64_t> dims(out->dimensions().begin(), out->dimensions().end());
   const ffi::DataType dtype = out->element_type();
   if (header)
@@ -324,7 +326,7 @@ ffi::Error Irecv(Token, TokenOut, Result out, Result request, int64_t comm_key, 
     const MPI_Status* data = statuses + (header ? 1 : 0);
     for (int64_t offset = 0, i = 0; offset < count || i == 0; offset += kMaxCount, ++i) {
       const int n = static_cast<int>(std::min<int64_t>(count - offset, kMaxCount));
-      if (auto err = check_count(data[i], type, n, "irecv"); err.failure()) return err;
+      if (auto err = check_count(data[i], type, n, current_operation()); err.failure()) return err;
     }
     if (status != nullptr) {
       status[0] = data[0].MPI_SOURCE;

@@ -59,7 +59,7 @@ Difference largest_difference(const P* mine, const P* first, int64_t n) {
 
 ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check,
                            std::string_view operation) {
-  Call call(comm_key, check, "check_replicated", x);
+  Call call(comm_key, check, x);
   if (auto err = call.live(); err.failure()) return err;
   MPI_Comm comm = call.comm();
   copy_if_distinct(out, x);

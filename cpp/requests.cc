@@ -270,7 +270,7 @@ ffi::Error test(const void* key, bool* done) {
   // MPI_Testall returns at once, so holding the table meanwhile delays no one.
   std::lock_guard lock(t.mutex);
   auto at = t.pending.find(key);
-  if (at == t.pending.end()) return nothing_pending("test");
+  if (at == t.pending.end()) return nothing_pending(current_operation());
   Pending& pending = at->second;
   if (!pending.done) {
     int flag = 0;
@@ -290,13 +290,14 @@ ffi::Error complete(const void* key, void* out, int32_t* status) {
     Table& t = table();
     std::lock_guard lock(t.mutex);
     auto at = t.pending.find(key);
-    if (at == t.pending.end()) return nothing_pending("wait");
+    if (at == t.pending.end()) return nothing_pending(current_operation());
     pending = std::move(at->second);
     t.pending.erase(at);
     if (!t.orphans.empty()) reap(t);
   }
   const std::string name = wait_name(pending.operation);
-  Call call(pending.comm_key, pending.check, name);
+  Entered entered(name);  // the wait of this operation
+  Call call(pending.comm_key, pending.check);
   MPI_Status* statuses = statuses_of(pending);
   if (!pending.done) {
     const int n = static_cast<int>(pending.requests.size());

@@ -29,6 +29,7 @@ from jaxcomm import _native, _requests
 from jaxcomm._kernels import build_flags, register_kernel
 from jaxcomm._native import MPILibraryMismatchError
 from jaxcomm._ops import DTYPES, ReduceOp
+from jaxcomm._primitive import PRIMITIVES
 from jaxcomm._requests import Request
 from jaxcomm.comm import CartComm, JaxComm, Status
 
@@ -38,7 +39,7 @@ __version__ = "0.1.0"  # the one place: pyproject.toml reads it from here
 # traceback from the pipe on a loaded node, and nothing next to a job ending.
 _ABORT_GRACE_S = 0.5
 
-__all__ = [
+__all__ = [  # and every module-level operation, added below
     "DTYPES",
     "CartComm",
     "JaxComm",
@@ -47,37 +48,13 @@ __all__ = [
     "Request",
     "Status",
     "abort_on_error",
-    "allgather",
-    "allreduce",
-    "alltoall",
-    "barrier",
-    "bcast",
     "build_flags",
     "cuda_aware",
-    "exscan",
-    "gather",
     "get_comm",
     "get_include",
     "has_cuda_support",
     "has_sycl_support",
-    "iallgather",
-    "iallreduce",
-    "ialltoall",
-    "ibcast",
-    "irecv",
-    "ireduce_scatter",
-    "isend",
-    "recv",
-    "reduce",
-    "reduce_scatter",
     "register_kernel",
-    "scan",
-    "scatter",
-    "send",
-    "sendrecv",
-    "test",
-    "wait",
-    "waitall",
 ]
 
 # Before mpi4py's own exit hook (registered earlier, so run later) finalises MPI:
@@ -163,30 +140,18 @@ def _fill_status(status: MPI.Status, received: Status) -> None:
         write(received.source, received.tag)
 
 
-allreduce = _module_function("allreduce")
-reduce = _module_function("reduce")
-scan = _module_function("scan")
-exscan = _module_function("exscan")
-reduce_scatter = _module_function("reduce_scatter")
-bcast = _module_function("bcast")
-gather = _module_function("gather")
-allgather = _module_function("allgather")
-scatter = _module_function("scatter")
-alltoall = _module_function("alltoall")
-send = _module_function("send")
-recv = _receiving_function("recv")
-sendrecv = _receiving_function("sendrecv")
-barrier = _module_function("barrier")
-iallreduce = _module_function("iallreduce")
-ireduce_scatter = _module_function("ireduce_scatter")
-ibcast = _module_function("ibcast")
-iallgather = _module_function("iallgather")
-ialltoall = _module_function("ialltoall")
-isend = _module_function("isend")
-irecv = _module_function("irecv")
-test = _module_function("test")
-wait = _module_function("wait")
-waitall = _module_function("waitall")
+#: Module-level receives that take mpi4jax's ``status=`` (an MPI.Status to fill).
+_TAKING_MPI_STATUS = ("recv", "sendrecv")
+#: Every operation declared (jaxcomm._primitive.PRIMITIVES) that JaxComm has as a
+#: method, and the methods that complete requests: each is a module function too.
+_MODULE_FUNCTIONS = [
+    name for name in (*PRIMITIVES, "wait", "test", "waitall") if hasattr(JaxComm, name)
+]
+for _name in _MODULE_FUNCTIONS:
+    _make = _receiving_function if _name in _TAKING_MPI_STATUS else _module_function
+    globals()[_name] = _make(_name)
+    __all__.append(_name)
+del _name, _make
 
 
 def abort_on_error(comm: MPI.Comm | JaxComm | None = None, exit_code: int = 1) -> None:
