@@ -171,7 +171,7 @@ Entered::~Entered() { entered_operation = outer_; }
 std::string_view current_operation() { return entered_operation; }
 
 Call::Call(int64_t comm_key, bool check)
-    : comm_(comm_of(comm_key)), check_(check), op_(current_operation()) {
+    : comm_(comm_of(comm_key)), check_(check), operation_(current_operation()) {
   calls.fetch_add(1, std::memory_order_relaxed);
   const Settings& s = settings();
   if (s.debug) start_ = Clock::now();
@@ -180,7 +180,7 @@ Call::Call(int64_t comm_key, bool check)
     Watch& w = watch();
     std::lock_guard lock(w.mutex);
     w.busy = true;
-    w.current = std::string(op_);  // refined as parameters arrive
+    w.current = std::string(operation_);  // refined as parameters arrive
     w.since = Clock::now();
   }
 }
@@ -227,7 +227,7 @@ Call& Call::peer(std::string_view name, int64_t value) {
 }
 
 std::string Call::description() const {
-  std::string text(op_);
+  std::string text(operation_);
   text += '(';
   if (has_array_) text += describe_array(dtype_, dims_);
   text += params_;
@@ -261,7 +261,7 @@ Call::~Call() {
 ffi::Error Call::live() const {
   if (comm_ != MPI_COMM_NULL) return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                    "jaxcomm: " + std::string(op_) +
+                    "jaxcomm: " + std::string(operation_) +
                         " on a communicator that has been freed (a function compiled with a "
                         "JaxComm was called after its free())");
 }
@@ -310,16 +310,16 @@ ffi::Error Call::check_header(const MPI_Status& status) const {
   if (bytes == sizeof incoming_ && std::memcmp(incoming_.magic, kMagic, sizeof kMagic) == 0)
     return ffi::Error::Success();
   return invalid_argument(
-      op_, "checking mode: the message from rank " + std::to_string(status.MPI_SOURCE) +
-               " carries no jaxcomm header; checking mode must be on for every rank "
-               "of the communicator (JAXCOMM_CHECK=1 or JaxComm(..., check=True))");
+      operation_, "checking mode: the message from rank " + std::to_string(status.MPI_SOURCE) +
+                      " carries no jaxcomm header; checking mode must be on for every rank "
+                      "of the communicator (JAXCOMM_CHECK=1 or JaxComm(..., check=True))");
 }
 
 ffi::Error Call::send_header(int dest, int tag, int64_t pieces) {
   if (auto err = live(); err.failure()) return err;
   if (!check_ || dest == MPI_PROC_NULL) return ffi::Error::Success();
   MessageHeader h = make_header(pieces);
-  JAXCOMM_CHECK_MPI(MPI_Send(&h, sizeof h, MPI_BYTE, dest, tag, comm_), op_, comm_);
+  JAXCOMM_CHECK_MPI(MPI_Send(&h, sizeof h, MPI_BYTE, dest, tag, comm_), operation_, comm_);
   return ffi::Error::Success();
 }
 
@@ -329,8 +329,8 @@ ffi::Error Call::post_header(int dest, int tag, int64_t pieces, MessageHeader* h
   if (!check_ || dest == MPI_PROC_NULL) return ffi::Error::Success();
   *header = make_header(pieces);
   JAXCOMM_CHECK_MPI(
-      MPI_Isend(header, sizeof *header, MPI_BYTE, dest, tag, comm_, &requests->emplace_back()), op_,
-      comm_);
+      MPI_Isend(header, sizeof *header, MPI_BYTE, dest, tag, comm_, &requests->emplace_back()),
+      operation_, comm_);
   return ffi::Error::Success();
 }
 
@@ -339,19 +339,19 @@ ffi::Error Call::mismatch(int source, int tag) {
   for (int64_t i = 0; i < incoming_.pieces; ++i) {
     MPI_Message message;
     MPI_Status status;
-    JAXCOMM_CHECK_MPI(MPI_Mprobe(source, tag, comm_, &message, &status), op_, comm_);
+    JAXCOMM_CHECK_MPI(MPI_Mprobe(source, tag, comm_, &message, &status), operation_, comm_);
     int bytes = 0;
     MPI_Get_count(&status, MPI_BYTE, &bytes);
     std::vector<char> scratch(static_cast<size_t>(bytes));
-    JAXCOMM_CHECK_MPI(MPI_Mrecv(scratch.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE), op_,
-                      comm_);
+    JAXCOMM_CHECK_MPI(MPI_Mrecv(scratch.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE),
+                      operation_, comm_);
   }
   return mismatch_error(source, tag);
 }
 
 ffi::Error Call::mismatch_error(int source, int tag) const {
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                    "jaxcomm check: " + std::string(op_) + " on rank " +
+                    "jaxcomm check: " + std::string(operation_) + " on rank " +
                         std::to_string(comm_rank(comm_)) + " receives into " + receiving_ +
                         " but rank " + std::to_string(source) + " sent " +
                         std::string(incoming_.array) + " (tag " + std::to_string(tag) +
@@ -379,7 +379,7 @@ ffi::Error Call::recv_header(int* source, int* tag, ffi::DataType dtype,
   if (!check_ || *source == MPI_PROC_NULL) return ffi::Error::Success();
   MPI_Status status;
   JAXCOMM_CHECK_MPI(MPI_Recv(&incoming_, sizeof incoming_, MPI_BYTE, *source, *tag, comm_, &status),
-                    op_, comm_);
+                    operation_, comm_);
   if (auto err = check_header(status); err.failure()) return err;
   *source = status.MPI_SOURCE;
   *tag = status.MPI_TAG;
@@ -396,7 +396,7 @@ ffi::Error Call::sendrecv_header(int dest, int sendtag, int64_t send_pieces, int
   MPI_Status status;
   JAXCOMM_CHECK_MPI(MPI_Sendrecv(&out, sizeof out, MPI_BYTE, dest, sendtag, &incoming_,
                                  sizeof incoming_, MPI_BYTE, *source, *recvtag, comm_, &status),
-                    op_, comm_);
+                    operation_, comm_);
   if (*source == MPI_PROC_NULL) return ffi::Error::Success();
   if (auto err = check_header(status); err.failure()) return err;
   *source = status.MPI_SOURCE;

@@ -31,7 +31,7 @@ void unregister_comm(int64_t key);
 // MPI operations started by handlers so far in this process.
 uint64_t call_count();
 
-// The name of a reduction operator, as jaxcomm._ops.ReduceOp's in lower case:
+// The name of a reduction operator, as jaxcomm._datatypes.ReduceOp's in lower case:
 // "sum", "prod", ...; "?" otherwise.
 const char* reduce_op_name(int32_t op);
 
@@ -41,7 +41,7 @@ const char* dtype_name(ffi::DataType dtype);
 // "float32[3,4]"
 std::string describe_array(ffi::DataType dtype, ffi::Span<const int64_t> dims);
 
-// The operation this thread is running, as the table in ops.h names it: set on
+// The operation this thread is running, as the table in operations.h names it: set on
 // entry by the wrapper that calls a host function (a CPU or CUDA handler, an eager
 // call), for Call, the log and error messages. Per thread: XLA may run handlers
 // on several.
@@ -70,7 +70,7 @@ class Call {
   Call& operator=(const Call&) = delete;
 
   MPI_Comm comm() const { return comm_; }
-  std::string_view operation() const { return op_; }
+  std::string_view operation() const { return operation_; }
   bool checking() const { return check_; }
 
   // A parameter that must agree across ranks (root, reduction op), for the log
@@ -135,7 +135,7 @@ class Call {
 
   MPI_Comm comm_;
   bool check_;
-  std::string_view op_;
+  std::string_view operation_;
   bool has_array_ = false;
   ffi::DataType dtype_{};
   ffi::Span<const int64_t> dims_{};

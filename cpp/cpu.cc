@@ -13,7 +13,7 @@
 
 #include "call.h"
 #include "eager.h"
-#include "ops.h"
+#include "operations.h"
 #include "requests.h"
 
 namespace nb = nanobind;
@@ -31,7 +31,7 @@ struct Compiled<Function> {
   static ffi::Error Run(Args... args) {
     Entered entered(kOperationName<Function>);
     ffi::Error error = Function(std::move(args)...);
-    if (error.failure()) host::abandon_compiled();
+    if (error.failure()) mpi::abandon_compiled();
     return error;
   }
 };
@@ -39,7 +39,7 @@ struct Compiled<Function> {
 }  // namespace
 
 #define JAXCOMM_DEFINE_CPU_HANDLER(name, function, binding, attributes) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name, Compiled<&host::function>::Run, binding attributes);
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name, Compiled<&mpi::function>::Run, binding attributes);
 JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind(), JAXCOMM_BIND_ATTRIBUTE)
 JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind(), JAXCOMM_BIND_ATTRIBUTE)
 JAXCOMM_DEFINE_CPU_HANDLER(wait, Wait, waiting(ffi::Ffi::Bind()), )
@@ -101,7 +101,7 @@ NB_MODULE(_jaxcomm_cpu, m) {
     reduce_ops.append(jaxcomm::reduce_op_name(op));
   }
   m.attr("reduce_op_names") = reduce_ops;
-  m.def("unfinished_orphans", &jaxcomm::host::unfinished_orphans,
+  m.def("unfinished_orphans", &jaxcomm::mpi::unfinished_orphans,
         "Drop every request still pending; how many MPI has not completed yet.");
   m.def("mpi_library_version", &library_version,
         "MPI_Get_library_version of the libmpi this module is linked to.");

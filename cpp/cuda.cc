@@ -1,6 +1,6 @@
 // jaxcomm's CUDA handlers, and the Python module `jaxcomm._jaxcomm_cuda`.
 //
-// Each handler runs the host operation (collectives.cc, p2p.cc) on GPU buffers:
+// Each handler runs the host operation (reductions.cc, collectives.cc, p2p.cc) on GPU buffers:
 //
 // - staged (default): the inputs are copied into pinned host buffers on XLA's
 //   stream, the stream is synchronised once, MPI works on host memory, and the
@@ -32,7 +32,7 @@
 
 #include "call.h"
 #include "memory.h"
-#include "ops.h"
+#include "operations.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -139,9 +139,9 @@ class Staging {
   T view(T value) {
     return value;
   }
-  host::Buffer view(host::Buffer b) { return host::Buffer(add(b, true)); }
-  host::Result view(host::Result r) { return host::Result(host::Buffer(add(*r, false))); }
-  host::Status view(host::Status s) { return host::Status(host::StatusBuffer(add(*s, false))); }
+  mpi::Buffer view(mpi::Buffer b) { return mpi::Buffer(add(b, true)); }
+  mpi::Result view(mpi::Result r) { return mpi::Result(mpi::Buffer(add(*r, false))); }
+  mpi::Status view(mpi::Status s) { return mpi::Status(mpi::StatusBuffer(add(*s, false))); }
 
   // Lays the buffers out in the arena and copies the inputs in. The views must all
   // have been made: their data pointers are patched here.
@@ -212,7 +212,7 @@ class Staging {
 
 // Buffer contents written by host code during a CUDA-aware call: work on the
 // stream, finished before the host code goes on (MPI may read the result next).
-class DeviceMemory final : public host::Memory {
+class DeviceMemory final : public mpi::Memory {
  public:
   explicit DeviceMemory(cudaStream_t stream) : stream_(stream) {}
 
@@ -228,7 +228,7 @@ class DeviceMemory final : public host::Memory {
       return;
     }
     std::vector<char> pattern(width * static_cast<size_t>(count));
-    host::Memory::fill(pattern.data(), element, width, count);
+    mpi::Memory::fill(pattern.data(), element, width, count);
     finish(cudaMemcpyAsync(to, pattern.data(), pattern.size(), cudaMemcpyHostToDevice, stream_));
   }
 
@@ -274,9 +274,8 @@ constexpr bool kAmong = (kSame<Function, Functions> || ...);
 // buffers on the host.
 template <auto Function>
 constexpr Pointers kPointers =
-    kAmong<Function, &host::CheckReplicated, &host::TaggedSendrecv> ? Pointers::kHost
-    : kAmong<Function, &host::Allreduce, &host::Reduce, &host::Scan, &host::Exscan,
-             &host::ReduceScatter>
+    kAmong<Function, &mpi::CheckReplicated, &mpi::TaggedSendrecv> ? Pointers::kHost
+    : kAmong<Function, &mpi::Allreduce, &mpi::Reduce, &mpi::Scan, &mpi::Exscan, &mpi::ReduceScatter>
         ? Pointers::kDeviceUnlessHalfFloat
         : Pointers::kDevice;
 
@@ -284,7 +283,7 @@ template <typename T>
 bool is_half_float(const T&) {
   return false;
 }
-bool is_half_float(const host::Buffer& b) {
+bool is_half_float(const mpi::Buffer& b) {
   return b.element_type() == ffi::DataType::F16 || b.element_type() == ffi::DataType::BF16;
 }
 
@@ -299,12 +298,12 @@ struct Staged<Function> {
     return pointers == Pointers::kDevice || !(is_half_float(args) || ...);
   }
 
-  static ffi::Error Call(cudaStream_t stream, Args... args) {
+  static ffi::Error Run(cudaStream_t stream, Args... args) {
     Entered entered(kOperationName<Function>);
     if (direct(args...)) {
       JAXCOMM_CHECK_CUDA(cudaStreamSynchronize(stream), "waiting for the inputs");
       DeviceMemory device(stream);
-      host::UseMemory use(device);
+      mpi::UseMemory use(device);
       ffi::Error result = Function(args...);
       if (auto err = device.status(); err.failure()) return err;
       return result;
@@ -319,8 +318,8 @@ struct Staged<Function> {
 
 }  // namespace
 
-#define JAXCOMM_DEFINE_CUDA_HANDLER(name, function, binding, attributes)              \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name##_cuda, Staged<&host::function>::Call, \
+#define JAXCOMM_DEFINE_CUDA_HANDLER(name, function, binding, attributes)            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name##_cuda, Staged<&mpi::function>::Run, \
                                 binding attributes);
 JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CUDA_HANDLER,
                    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(),

@@ -7,7 +7,7 @@
 
 #include "memory.h"
 
-namespace jaxcomm::host {
+namespace jaxcomm::mpi {
 namespace {
 
 // One element holding the identity of a reduction.
@@ -100,17 +100,18 @@ bool is_integer(ffi::DataType dtype) {
 
 }  // namespace
 
-ffi::Error datatype_of(const ffi::AnyBuffer& x, std::string_view op, MPI_Datatype* type) {
+ffi::Error datatype_of(const ffi::AnyBuffer& x, std::string_view operation, MPI_Datatype* type) {
   *type = mpi_datatype(x.element_type());
-  if (*type == MPI_DATATYPE_NULL) return invalid_argument(op, "unsupported dtype");
+  if (*type == MPI_DATATYPE_NULL) return invalid_argument(operation, "unsupported dtype");
   return ffi::Error::Success();
 }
 
-ffi::Error reduction_of(const ffi::AnyBuffer& x, int32_t reduce_op, std::string_view op,
-                        MPI_Datatype* type, MPI_Op* mpi) {
-  if (auto err = datatype_of(x, op, type); err.failure()) return err;
-  *mpi = mpi_op(static_cast<ReduceOp>(reduce_op), x.element_type());
-  if (*mpi == MPI_OP_NULL) return invalid_argument(op, "reduction not supported for this dtype");
+ffi::Error reduction_of(const ffi::AnyBuffer& x, int32_t reduce_op, std::string_view operation,
+                        MPI_Datatype* type, MPI_Op* mpi_operator) {
+  if (auto err = datatype_of(x, operation, type); err.failure()) return err;
+  *mpi_operator = mpi_op(static_cast<ReduceOp>(reduce_op), x.element_type());
+  if (*mpi_operator == MPI_OP_NULL)
+    return invalid_argument(operation, "reduction not supported for this dtype");
   return ffi::Error::Success();
 }
 
@@ -133,4 +134,4 @@ void normalize_logical(void* data, ffi::DataType dtype, int64_t count, int32_t r
                 [&](void* bytes) { to_truth(bytes, count, width); });
 }
 
-}  // namespace jaxcomm::host
+}  // namespace jaxcomm::mpi

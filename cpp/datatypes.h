@@ -12,14 +12,14 @@
 #include "jaxcomm/jaxcomm.h"
 #include "xla/ffi/api/ffi.h"
 
-namespace jaxcomm::host {
+namespace jaxcomm::mpi {
 
-// The MPI datatype of x's elements, or an error naming `op`.
-ffi::Error datatype_of(const ffi::AnyBuffer& x, std::string_view op, MPI_Datatype* type);
+// The MPI datatype of x's elements, or an error naming `operation`.
+ffi::Error datatype_of(const ffi::AnyBuffer& x, std::string_view operation, MPI_Datatype* type);
 
 // The MPI datatype and operator that reduce x with jaxcomm's `reduce_op`.
-ffi::Error reduction_of(const ffi::AnyBuffer& x, int32_t reduce_op, std::string_view op,
-                        MPI_Datatype* type, MPI_Op* mpi);
+ffi::Error reduction_of(const ffi::AnyBuffer& x, int32_t reduce_op, std::string_view operation,
+                        MPI_Datatype* type, MPI_Op* mpi_operator);
 
 // Element-wise reduction of `count` elements in pieces that fit an int count:
 // call(in, out, n) for each piece, with MPI_IN_PLACE for `in` when in == out.
@@ -44,6 +44,6 @@ void fill_identity(ffi::Result<ffi::AnyBuffer>& out, int32_t reduce_op);
 void normalize_logical(ffi::Result<ffi::AnyBuffer>& out, int32_t reduce_op);
 void normalize_logical(void* data, ffi::DataType dtype, int64_t count, int32_t reduce_op);
 
-}  // namespace jaxcomm::host
+}  // namespace jaxcomm::mpi
 
 #endif  // JAXCOMM_DATATYPES_H_

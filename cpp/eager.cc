@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "call.h"
-#include "ops.h"
+#include "operations.h"
 #include "requests.h"
 
 namespace nb = nanobind;
@@ -96,16 +96,16 @@ class EagerArguments {
   // The next argument of type T, in binding order.
   template <typename T>
   T next() {
-    if constexpr (std::is_same_v<T, host::Token>) {
-      return host::Token(&token_);
-    } else if constexpr (std::is_same_v<T, host::TokenOut>) {
-      return host::TokenOut(host::Token(&token_));
-    } else if constexpr (std::is_same_v<T, host::Buffer>) {
-      return host::Buffer(&inputs_.at(input_++).buffer);
-    } else if constexpr (std::is_same_v<T, host::Result>) {
-      return host::Result(host::Buffer(&outputs_.at(output_++).buffer));
-    } else if constexpr (std::is_same_v<T, host::Status>) {
-      return host::Status(host::StatusBuffer(&outputs_.at(output_++).buffer));
+    if constexpr (std::is_same_v<T, mpi::Token>) {
+      return mpi::Token(&token_);
+    } else if constexpr (std::is_same_v<T, mpi::TokenOut>) {
+      return mpi::TokenOut(mpi::Token(&token_));
+    } else if constexpr (std::is_same_v<T, mpi::Buffer>) {
+      return mpi::Buffer(&inputs_.at(input_++).buffer);
+    } else if constexpr (std::is_same_v<T, mpi::Result>) {
+      return mpi::Result(mpi::Buffer(&outputs_.at(output_++).buffer));
+    } else if constexpr (std::is_same_v<T, mpi::Status>) {
+      return mpi::Status(mpi::StatusBuffer(&outputs_.at(output_++).buffer));
     } else if constexpr (std::is_same_v<T, std::string_view>) {
       return strings_.emplace_back(nb::cast<std::string>(attrs_[attr_++]));
     } else {
@@ -154,14 +154,14 @@ struct Eager<Function> {
     Entered entered(kOperationName<Function>);
     std::tuple<Args...> args{arguments.template next<Args>()...};  // braces: left to right
     nb::gil_scoped_release unlocked;                               // MPI may wait for other ranks
-    host::CheckInterrupts interrupts(&python_interrupted);
+    mpi::CheckInterrupts interrupts(&python_interrupted);
     return std::apply(Function, args);
   }
 };
 
 EagerRun eager_run(std::string_view operation) {
 #define JAXCOMM_EAGER_RUN(name, function, ...) \
-  if (operation == #name) return &Eager<&host::function>::Run;
+  if (operation == #name) return &Eager<&mpi::function>::Run;
   JAXCOMM_OPERATIONS(JAXCOMM_EAGER_RUN, _, JAXCOMM_ATTRIBUTE_NAME)
   JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_EAGER_RUN, _, JAXCOMM_ATTRIBUTE_NAME)
 #undef JAXCOMM_EAGER_RUN
@@ -248,9 +248,9 @@ std::tuple<std::string, std::string, int, int> complete(nb::handle request, nb::
   ffi::Error error = ffi::Error::Success();
   {
     nb::gil_scoped_release unlocked;
-    host::CheckInterrupts interrupts(&python_interrupted);
-    Entered entered(kOperationName<&host::Wait>);
-    error = host::complete(key, result, status);
+    mpi::CheckInterrupts interrupts(&python_interrupted);
+    Entered entered(kOperationName<&mpi::Wait>);
+    error = mpi::complete(key, result, status);
   }
   raise_if_interrupted();
   if (!error.success()) return {error_code_name(error.errc()), error.message(), 0, 0};
@@ -265,8 +265,8 @@ std::tuple<std::string, std::string, bool> test(nb::handle request) {
   ffi::Error error = ffi::Error::Success();
   {
     nb::gil_scoped_release unlocked;
-    Entered entered(kOperationName<&host::Test>);
-    error = host::test(key, &done);
+    Entered entered(kOperationName<&mpi::Test>);
+    error = mpi::test(key, &done);
   }
   if (!error.success()) return {error_code_name(error.errc()), error.message(), false};
   return {"", "", done};
@@ -291,7 +291,7 @@ void define_eager(nb::module_& m) {
       [](nb::handle request) {
         const void* key = address_of(request);
         nb::gil_scoped_release unlocked;
-        host::discard(key);
+        mpi::discard(key);
       },
       nb::arg("request"), "Drop a non-blocking operation that will never be waited.");
 }

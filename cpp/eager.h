@@ -1,5 +1,5 @@
 // jaxcomm's eager path: the Python module's EagerCall class (an operation of the
-// table in ops.h on arrays of fixed types, run on their buffers outside XLA) and
+// table in operations.h on arrays of fixed types, run on their buffers outside XLA) and
 // the eager complete, test and discard of non-blocking requests.
 #ifndef JAXCOMM_EAGER_H_
 #define JAXCOMM_EAGER_H_

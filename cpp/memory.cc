@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-namespace jaxcomm::host {
+namespace jaxcomm::mpi {
 namespace {
 
 thread_local const Memory* current_memory = nullptr;
@@ -62,4 +62,4 @@ void zero(ffi::Result<ffi::AnyBuffer>& out) {
   memory().fill(out->untyped_data(), &nothing, 1, static_cast<int64_t>(out->size_bytes()));
 }
 
-}  // namespace jaxcomm::host
+}  // namespace jaxcomm::mpi

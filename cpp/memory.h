@@ -10,7 +10,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-namespace jaxcomm::host {
+namespace jaxcomm::mpi {
 
 namespace ffi = xla::ffi;
 
@@ -47,6 +47,6 @@ void copy_if_distinct(ffi::Result<ffi::AnyBuffer>& out, const ffi::AnyBuffer& in
 
 void zero(ffi::Result<ffi::AnyBuffer>& out);
 
-}  // namespace jaxcomm::host
+}  // namespace jaxcomm::mpi
 
 #endif  // JAXCOMM_MEMORY_H_

@@ -1,8 +1,9 @@
 // The point-to-point handlers on host memory: send, recv and sendrecv (MPI's
-// blocking calls inside XLA; polled on the Python thread), and the starts of isend
-// and irecv, whose waits complete them (requests.h). A receive from
+// blocking calls inside XLA; polled on the Python thread). A receive from
 // MPI_PROC_NULL gives zeros, so the output is always written; the status output
 // holds the sender's rank and the tag.
+#include "p2p.h"
+
 #include <mpi.h>
 
 #include <algorithm>
@@ -16,10 +17,10 @@
 #include "datatypes.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
-#include "ops.h"
+#include "operations.h"
 #include "requests.h"
 
-namespace jaxcomm::host {
+namespace jaxcomm::mpi {
 namespace {
 
 // Inside XLA these are MPI's own blocking calls, as a C program makes them. An
@@ -78,27 +79,12 @@ int sendrecv(const void* send_data, int send_n, MPI_Datatype send_type, int dest
   return code;
 }
 
-// How many messages for_each_piece splits `count` elements into.
-int64_t pieces(int64_t count) { return count == 0 ? 1 : (count + kMaxCount - 1) / kMaxCount; }
-
 // Through memory(): with a CUDA-aware MPI the status buffer is on the device.
 void write_status(Status& status, const MPI_Status& s) {
   const int32_t values[2] = {s.MPI_SOURCE, s.MPI_TAG};
   int32_t* to = status->typed_data();
   memory().fill(to, &values[0], sizeof values[0], 1);
   memory().fill(to + 1, &values[1], sizeof values[1], 1);
-}
-
-// A message shorter than the buffer is an error, not a partly written result.
-ffi::Error check_count(const MPI_Status& s, MPI_Datatype type, int expected, std::string_view op) {
-  if (s.MPI_SOURCE == MPI_PROC_NULL) return ffi::Error::Success();
-  int count = 0;
-  MPI_Get_count(&s, type, &count);
-  if (count == expected) return ffi::Error::Success();
-  return invalid_argument(op, "received " + std::to_string(count) + " elements from rank " +
-                                  std::to_string(s.MPI_SOURCE) + " but the receive buffer holds " +
-                                  std::to_string(expected) +
-                                  " (the sender's array and the template differ in size)");
 }
 
 // A receive in pieces: later pieces come from the sender of the first, with its
@@ -113,7 +99,7 @@ class PieceReceiver {
   // Piece `step`, of `n` elements of `type`, ended with MPI's `code` and `s`.
   // Returns the code for for_each_piece.
   int arrived(int64_t step, int code, const MPI_Status& s, MPI_Datatype type, int n,
-              std::string_view op) {
+              std::string_view operation) {
     if (step == 0) {
       first_ = s;
       if (source_ != MPI_PROC_NULL) {
@@ -121,14 +107,14 @@ class PieceReceiver {
         tag_ = s.MPI_TAG;
       }
     }
-    if (code == MPI_SUCCESS) count_error_ = check_count(s, type, n, op);
+    if (code == MPI_SUCCESS) count_error_ = check_count(s, type, n, operation);
     return count_error_.failure() ? MPI_ERR_OTHER : code;
   }
 
   // The receive's error, given for_each_piece's `result`; else writes the status.
-  ffi::Error finish(int result, std::string_view op, MPI_Comm comm, Status& status) {
+  ffi::Error finish(int result, std::string_view operation, MPI_Comm comm, Status& status) {
     if (count_error_.failure()) return std::move(count_error_);
-    JAXCOMM_CHECK_MPI(result, op, comm);
+    JAXCOMM_CHECK_MPI(result, operation, comm);
     write_status(status, first_);
     return ffi::Error::Success();
   }
@@ -147,7 +133,7 @@ ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_key, bool check, int32_t
   call.peer("dest", dest).peer("tag", tag);
   MPI_Comm comm = call.comm();
   MPI_Datatype type;
-  if (auto err = datatype_of(x, current_operation(), &type); err.failure()) return err;
+  if (auto err = datatype_of(x, call.operation(), &type); err.failure()) return err;
   if (auto err = call.send_header(dest, tag, pieces(x.element_count())); err.failure()) return err;
   const size_t width = ffi::ByteWidth(x.element_type());
   JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
@@ -155,7 +141,7 @@ ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm_key, bool check, int32_t
                                      return send(bytes(x) + offset * width, n, type, dest, tag,
                                                  comm);
                                    }),
-                    current_operation(), comm);
+                    call.operation(), comm);
   return ffi::Error::Success();
 }
 
@@ -165,7 +151,7 @@ ffi::Error Recv(Token, TokenOut, Result out, Status status, int64_t comm_key, bo
   call.peer("source", source).peer("tag", tag);
   MPI_Comm comm = call.comm();
   MPI_Datatype type = mpi_datatype(out->element_type());
-  if (type == MPI_DATATYPE_NULL) return invalid_argument(current_operation(), "unsupported dtype");
+  if (type == MPI_DATATYPE_NULL) return invalid_argument(call.operation(), "unsupported dtype");
   if (auto err = call.recv_header(&source, &tag, out->element_type(), out->dimensions());
       err.failure())
     return err;
@@ -176,9 +162,9 @@ ffi::Error Recv(Token, TokenOut, Result out, Status status, int64_t comm_key, bo
     MPI_Status s{};
     const int code =
         recv(bytes(out) + offset * width, n, type, receiver.source(), receiver.tag(), comm, &s);
-    return receiver.arrived(offset / kMaxCount, code, s, type, n, current_operation());
+    return receiver.arrived(offset / kMaxCount, code, s, type, n, call.operation());
   });
-  return receiver.finish(result, current_operation(), comm, status);
+  return receiver.finish(result, call.operation(), comm, status);
 }
 
 ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm_key,
@@ -187,9 +173,9 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
   call.peer("source", source).peer("dest", dest);
   MPI_Comm comm = call.comm();
   MPI_Datatype send_type, recv_type = mpi_datatype(out->element_type());
-  if (auto err = datatype_of(x, current_operation(), &send_type); err.failure()) return err;
+  if (auto err = datatype_of(x, call.operation(), &send_type); err.failure()) return err;
   if (recv_type == MPI_DATATYPE_NULL)
-    return invalid_argument(current_operation(), "unsupported dtype");
+    return invalid_argument(call.operation(), "unsupported dtype");
   const int64_t send_count = x.element_count(), recv_count = out->element_count();
   const size_t send_width = ffi::ByteWidth(x.element_type());
   const size_t recv_width = ffi::ByteWidth(out->element_type());
@@ -228,9 +214,9 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
     const int code =
         sendrecv(bytes(x) + offset * send_width, sn, send_type, to, sendtag,
                  bytes(out) + offset * recv_width, rn, recv_type, from, receiver.tag(), comm, &s);
-    return receiver.arrived(step, code, s, recv_type, rn, current_operation());
+    return receiver.arrived(step, code, s, recv_type, rn, call.operation());
   });
-  return receiver.finish(result, current_operation(), comm, status);
+  return receiver.finish(result, call.operation(), comm, status);
 }
 
 // `tags` holds (sendtag, recvtag), computed at run time: the AD rules of receives
@@ -247,94 +233,4 @@ ffi::Error TaggedSendrecv(Token token, Buffer x, Buffer tags, TokenOut token_out
   return Sendrecv(token, x, token_out, out, status, comm_key, check, source, dest, sendtag, tag[1]);
 }
 
-// isend and irecv post on buffers their pending request owns (requests.h): isend
-// sends a copy of x; irecv receives into a buffer that the wait copies out.
-ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result /*keep*/, int64_t comm_key,
-                 bool check, int32_t dest, int32_t tag) {
-  Call call(comm_key, check, x);
-  call.peer("dest", dest).peer("tag", tag);
-  MPI_Comm comm = call.comm();
-  MPI_Datatype type;
-  if (auto err = datatype_of(x, current_operation(), &type); err.failure()) return err;
-  Pending pending{current_operation(), comm_key, check};
-  // Only checking mode sends a header; it lives as long as the requests, which
-  // end with `finish`.
-  auto header = check ? std::make_shared<Call::MessageHeader>() : nullptr;
-  if (auto err =
-          call.post_header(dest, tag, pieces(x.element_count()), header.get(), &pending.requests);
-      err.failure())
-    return err;
-  if (header)
-    pending.finish = [header](Call&, const MPI_Status*, int32_t*) { return ffi::Error::Success(); };
-  const char* data = pending.own_copy(x.untyped_data(), x.size_bytes());
-  // In pieces as send splits them, so that a blocking recv can match an isend.
-  const size_t width = ffi::ByteWidth(x.element_type());
-  JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
-                                   [&](int64_t offset, int n) {
-                                     return MPI_Isend(data + offset * width, n, type, dest, tag,
-                                                      comm, &pending.requests.emplace_back());
-                                   }),
-                    current_operation(), comm);
-  return post(request->untyped_data(), std::move(pending));
-}
-
-// Checking mode receives each message's header alongside it: both are posted
-// now, so that ranks that post their receives before their sends never wait for
-// each other's headers.
-ffi::Error Irecv(Token, TokenOut, Result out, Result request, int64_t comm_key, bool check,
-                 int32_t source, int32_t tag) {
-  Call call(comm_key, check, *out);
-  call.peer("source", source).peer("tag", tag);
-  if (auto err = call.live(); err.failure()) return err;
-  MPI_Comm comm = call.comm();
-  MPI_Datatype type = mpi_datatype(out->element_type());
-  if (type == MPI_DATATYPE_NULL) return invalid_argument(current_operation(), "unsupported dtype");
-  const int64_t count = out->element_count();
-  if (source == MPI_ANY_SOURCE && (check || pieces(count) > 1))
-    return invalid_argument(current_operation(),
-                            "MPI.ANY_SOURCE needs one message without checking mode");
-  Pending pending{current_operation(), comm_key, check};
-  pending.cancellable = true;
-  char* data = pending.own_result(out->size_bytes());
-  if (source == MPI_PROC_NULL) std::memset(data, 0, out->size_bytes());
-  const bool header = check && source != MPI_PROC_NULL;
-  auto incoming = std::make_shared<Call::MessageHeader>();
-  if (header)
-    JAXCOMM_CHECK_MPI(MPI_Irecv(incoming.get(), sizeof *incoming, MPI_BYTE, source, tag, comm,
-                                &pending.requests.emplace_back()),
-                      current_operation(), comm);
-  const size_t width = ffi::ByteWidth(out->element_type());
-  JAXCOMM_CHECK_MPI(for_each_piece(count,
-                                   [&](int64_t offset, int n) {
-                                     return MPI_Irecv(data + offset * width, n, type, source, tag,
-                                                      comm, &pending.requests.emplace_back());
-                                   }),
-                    current_operation(), comm);
-  std::vector<int64_t> dims(out->dimensions().begin(), out->dimensions().end());
-  const ffi::DataType dtype = out->element_type();
-  if (header)
-    // A message larger than the buffer fails MPI's receive; its header, which came
-    // first, names both sides.
-    pending.explain = [=](Call& done, const MPI_Status* statuses) {
-      if (statuses[0].MPI_ERROR != MPI_SUCCESS) return ffi::Error::Success();
-      return done.check_received(*incoming, statuses[0], dtype, dims);
-    };
-  pending.finish = [=](Call& done, const MPI_Status* statuses, int32_t* status) -> ffi::Error {
-    if (header)
-      if (auto err = done.check_received(*incoming, statuses[0], dtype, dims); err.failure())
-        return err;
-    const MPI_Status* data = statuses + (header ? 1 : 0);
-    for (int64_t offset = 0, i = 0; offset < count || i == 0; offset += kMaxCount, ++i) {
-      const int n = static_cast<int>(std::min<int64_t>(count - offset, kMaxCount));
-      if (auto err = check_count(data[i], type, n, current_operation()); err.failure()) return err;
-    }
-    if (status != nullptr) {
-      status[0] = data[0].MPI_SOURCE;
-      status[1] = data[0].MPI_TAG;
-    }
-    return ffi::Error::Success();
-  };
-  return post(request->untyped_data(), std::move(pending));
-}
-
-}  // namespace jaxcomm::host
+}  // namespace jaxcomm::mpi

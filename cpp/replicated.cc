@@ -13,9 +13,9 @@
 #include "call.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
-#include "ops.h"
+#include "operations.h"
 
-namespace jaxcomm::host {
+namespace jaxcomm::mpi {
 
 namespace {
 
@@ -100,4 +100,4 @@ ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm_k
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition, message);
 }
 
-}  // namespace jaxcomm::host
+}  // namespace jaxcomm::mpi

@@ -14,9 +14,9 @@
 #include "call.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
-#include "ops.h"
+#include "operations.h"
 
-namespace jaxcomm::host {
+namespace jaxcomm::mpi {
 namespace {
 
 struct Table {
@@ -321,28 +321,4 @@ ffi::Error complete(const void* key, void* out, int32_t* status) {
   return ffi::Error::Success();
 }
 
-}  // namespace jaxcomm::host
-
-namespace jaxcomm::host {
-
-ffi::Error Wait(Token, Buffer request, ffi::RemainingArgs, TokenOut, ffi::RemainingRets results) {
-  void* out = nullptr;
-  int32_t* status = nullptr;
-  if (results.size() > 0) {
-    auto result = results.get<ffi::AnyBuffer>(0);
-    if (result.has_error()) return result.error();
-    out = (*result)->untyped_data();
-  }
-  if (results.size() > 1) {
-    auto result = results.get<ffi::AnyBuffer>(1);
-    if (result.has_error()) return result.error();
-    status = static_cast<int32_t*>((*result)->untyped_data());
-  }
-  return complete(request.untyped_data(), out, status);
-}
-
-ffi::Error Test(Token, Buffer request, TokenOut, ffi::Result<ffi::BufferR0<ffi::PRED>> done) {
-  return test(request.untyped_data(), done->typed_data());
-}
-
-}  // namespace jaxcomm::host
+}  // namespace jaxcomm::mpi

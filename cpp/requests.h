@@ -26,7 +26,7 @@
 #include "call.h"
 #include "xla/ffi/api/ffi.h"
 
-namespace jaxcomm::host {
+namespace jaxcomm::mpi {
 
 namespace ffi = xla::ffi;
 
@@ -155,6 +155,6 @@ void abandon_compiled();
 // complete them.
 int unfinished_orphans();
 
-}  // namespace jaxcomm::host
+}  // namespace jaxcomm::mpi
 
 #endif  // JAXCOMM_REQUESTS_H_

@@ -26,9 +26,9 @@ from jax.experimental import io_callback
 from mpi4py import MPI
 
 from jaxcomm import _native, _requests
+from jaxcomm._datatypes import DTYPES, ReduceOp
 from jaxcomm._kernels import build_flags, register_kernel
 from jaxcomm._native import MPILibraryMismatchError
-from jaxcomm._ops import DTYPES, ReduceOp
 from jaxcomm._primitive import PRIMITIVES
 from jaxcomm._requests import Request
 from jaxcomm.comm import CartComm, JaxComm, Status

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
+from jaxcomm._datatypes import DTYPES, VALID_DTYPES, ReduceOp, as_reduce_op
 from jaxcomm._fusion import PerLeaf
 from jaxcomm._jax_internals import ArrayImpl
-from jaxcomm._ops import DTYPES, VALID_DTYPES, ReduceOp, as_reduce_op
 from jaxcomm._placement import platforms
 
 #: check(operation, name, value, size) -> the value to use, or an exception that

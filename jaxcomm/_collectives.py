@@ -1,4 +1,4 @@
-"""Data-movement collectives: bcast, gather, allgather, scatter, alltoall.
+"""Data-movement collectives: bcast, gather, allgather, scatter, alltoall, and barrier.
 
 bcast and allgather give every rank the same result: one replicated value, whose
 cotangent is expected to be replicated (checked in checking mode). gather,
@@ -56,6 +56,7 @@ scatter_p = comm_primitive("scatter", _scatter_shape, params=_ROOT, leading_axis
 # MPI libraries' in-place alltoall is also slower: it exchanges through a
 # temporary buffer, one peer at a time (MPICH's: up to 2x the out-of-place call).
 alltoall_p = comm_primitive("alltoall", same_shape, aliases=asked_in_place, leading_axis="x")
+barrier_p = comm_primitive("barrier", lambda **_: [])
 
 
 def bcast(x, *, comm: CommInfo, root: int):

@@ -87,7 +87,7 @@ def _prepare(primitive: Any, in_types, comm, params: Params, where, wrapped) -> 
     ]
     own = (v if isinstance(v, str) else int(v) for v in map(values.get, primitive.attrs))
     return cpu.EagerCall(
-        primitive.op_name,
+        primitive.operation,
         templates,
         [_CODES[dtype] for _, dtype in in_types[templates:]],
         outputs,
@@ -97,7 +97,7 @@ def _prepare(primitive: Any, in_types, comm, params: Params, where, wrapped) -> 
     )
 
 
-class _Prepared:
+class _PreparedCalls:
     """The one cache of prepared calls (EagerCalls, MapCalls and repeat's),
     by signature, least recently used first out: calls mostly repeat a signature,
     and preparing a call costs more than looking it up, but a program that keeps
@@ -132,7 +132,7 @@ class _Prepared:
         return self.put(key, make()) if call is None else call
 
 
-_prepared_calls = _Prepared(4096)
+_prepared_calls = _PreparedCalls(4096)
 
 
 def _prepared(primitive, in_types, comm, params, where, wrapped) -> cpu.EagerCall:

@@ -47,9 +47,9 @@ from jax.interpreters import ad, mlir
 from mpi4py import MPI
 
 from jaxcomm import _collectives, _p2p, _reductions, _replicated
+from jaxcomm._datatypes import ReduceOp
 from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
 from jaxcomm._native import PLATFORMS, cpu
-from jaxcomm._ops import ReduceOp
 from jaxcomm._primitive import CommInfo, CommPrimitive, comm_primitive
 from jaxcomm._rules import (
     define_rules,
@@ -64,27 +64,28 @@ from jaxcomm._rules import (
 REQUEST = core.ShapedArray((1,), np.float32)
 
 
-class Kind(NamedTuple):
-    """Which buffers an operation's start returns and its wait takes."""
+class StartBuffers(NamedTuple):
+    """Which buffers an operation's start returns besides the request, and its
+    wait takes: the buffers MPI uses until the wait."""
 
-    pending: bool  # a result that MPI writes
-    keep: bool  # data that MPI reads, apart from `pending`
+    result: bool  # the result, which MPI writes
+    input: bool  # x passed through, which MPI reads (apart from `result`)
     status: bool  # the wait also returns (source, tag)
-    in_place: bool = False  # pending is x's buffer, which MPI reads and writes
+    in_place: bool = False  # the result is x's buffer, which MPI reads and writes
 
 
-COLLECTIVE = Kind(pending=True, keep=True, status=False)
-IN_PLACE = Kind(pending=True, keep=False, status=False, in_place=True)
-SEND = Kind(pending=False, keep=True, status=False)
-RECEIVE = Kind(pending=True, keep=False, status=True)
+COLLECTIVE = StartBuffers(result=True, input=True, status=False)
+IN_PLACE = StartBuffers(result=True, input=False, status=False, in_place=True)
+SEND = StartBuffers(result=False, input=True, status=False)
+RECEIVE = StartBuffers(result=True, input=False, status=True)
 
 
-def _aliases(kind: Kind) -> dict[int, int] | None:
+def _aliases(kind: StartBuffers) -> dict[int, int] | None:
     """Which output x's buffer becomes: keep (the wait's AD rules read it as x),
     or pending (ibcast's result). A receive's template is not passed at all
     (comm_primitive's `template`)."""
-    if kind.keep:
-        return {0: 2 if kind.pending else 1}
+    if kind.input:
+        return {0: 2 if kind.result else 1}
     return {0: 0} if kind.in_place else None
 
 
@@ -92,19 +93,19 @@ class Nonblocking(NamedTuple):
     """One non-blocking operation: its start primitive and what drives its rules."""
 
     start: CommPrimitive
-    kind: Kind
+    kind: StartBuffers
     # Batch axis of x for the start, and of its result: the blocking op's layout
     # (a rank axis stays leading, so each rank's rows are contiguous).
     batch_in: int
     batch_out: int
 
 
-def _declare(blocking: CommPrimitive, kind: Kind, batch_in=0, batch_out=0) -> Nonblocking:
+def _declare(blocking: CommPrimitive, kind: StartBuffers, batch_in=0, batch_out=0) -> Nonblocking:
     def abstract_eval(x, **params):
-        results = blocking.result_types(x, **params)[:1] if kind.pending else []
-        return [*results, REQUEST, *([x] if kind.keep else [])]
+        results = blocking.result_types(x, **params)[:1] if kind.result else []
+        return [*results, REQUEST, *([x] if kind.input else [])]
 
-    name = "i" + blocking.op_name
+    name = "i" + blocking.operation
     aliases = _aliases(kind)
     start = comm_primitive(
         name,
@@ -160,7 +161,7 @@ OPERATIONS: dict[str, Nonblocking] = {
 
 def _wait_shapes(*operands, operation, **_):
     kind = OPERATIONS[operation].kind
-    if not kind.pending:
+    if not kind.result:
         return []
     pending = operands[-1]
     return [pending, _p2p.STATUS] if kind.status else [pending]
@@ -185,7 +186,7 @@ wait_p.def_effectful_abstract_eval(
 
 def _wait_lowering(ctx, request, *buffers, operation, comm, params):
     kind = OPERATIONS[operation].kind
-    aliases = {len(buffers): 0} if kind.pending else None  # pending, after the request
+    aliases = {len(buffers): 0} if kind.result else None  # pending, after the request
     return lower_with_token("jaxcomm_wait", aliases=aliases)(ctx, request, *buffers)
 
 
@@ -236,8 +237,8 @@ for _platform in PLATFORMS:
             mlir.register_lowering(_op.start, _host_only, platform=_platform)
 
 
-def _wait_operands(kind: Kind, request, keep, pending) -> list:
-    return [request, *([keep] if kind.keep else []), *([pending] if kind.pending else [])]
+def _wait_operands(kind: StartBuffers, request, keep, pending) -> list:
+    return [request, *([keep] if kind.input else []), *([pending] if kind.result else [])]
 
 
 def bind_wait(operation: str, comm: CommInfo, params: dict, request, keep, pending) -> list:
@@ -300,10 +301,10 @@ def _start_jvp(operation):
     return jvp
 
 
-def _split_wait_operands(kind: Kind, operands: Sequence[Any]):
+def _split_wait_operands(kind: StartBuffers, operands: Sequence[Any]):
     request, *rest = operands
-    keep = rest.pop(0) if kind.keep else None
-    pending = rest.pop(0) if kind.pending else None
+    keep = rest.pop(0) if kind.input else None
+    pending = rest.pop(0) if kind.result else None
     return request, keep, pending
 
 
@@ -318,7 +319,7 @@ def _wait_jvp(primals, tangents, *, operation, comm, params):
     outs = wait_p.bind(*primals, operation=operation, comm=comm, params=params)
     zeros = [zero_tangent(v) for v in outs]
     t_request, t_keep, _ = _split_wait_operands(kind, tangents)
-    if not kind.pending:
+    if not kind.result:
         if type(t_request) is not ad.Zero:
             wait_p.bind(*tangents, operation=operation, comm=comm, params=params)
         return outs, zeros
@@ -385,14 +386,14 @@ def _wait_transpose(cts, *operands, operation, comm, params):
     kind = OPERATIONS[operation].kind
     params = dict(params)
     adjoint = ADJOINTS[operation]
-    ct = instantiate(cts[0]) if kind.pending else None
+    ct = instantiate(cts[0]) if kind.result else None
     zero = [ad.Zero(v.aval) for v in operands]
     request_ct, keep_ct, pending_ct = _split_wait_operands(kind, zero)
     if not _linear(operation, params):
         raise NotImplementedError(f"{operation}: op={params['op'].name} is not linear")
     if adjoint.local is not None:  # to the start's transpose, through keep or pending
         local = adjoint.local(ct, comm=comm, **params)
-        if kind.keep:
+        if kind.input:
             keep_ct = local
         else:
             pending_ct = local
@@ -405,19 +406,19 @@ def _wait_transpose(cts, *operands, operation, comm, params):
         if operation == "irecv":  # see _p2p.refuse_derivative_of_reply
             a_params["cotangent"] = True
         outs = list(target.start.bind(source, comm=comm, **a_params))
-        a_pending = outs.pop(0) if target.kind.pending else None
+        a_pending = outs.pop(0) if target.kind.result else None
         request_ct = outs.pop(0)
-        a_keep = outs.pop(0) if target.kind.keep else None
+        a_keep = outs.pop(0) if target.kind.input else None
         # The adjoint's result has x's shape and its kept data the result's, so they
         # travel back to the start's transpose as the cotangents of keep and pending.
-        if kind.keep:
+        if kind.input:
             keep_ct = a_pending
-        if kind.pending:
+        if kind.result:
             pending_ct = a_keep
     return [
         v
         for v, present in zip(
-            (request_ct, keep_ct, pending_ct), (True, kind.keep, kind.pending), strict=True
+            (request_ct, keep_ct, pending_ct), (True, kind.input, kind.result), strict=True
         )
         if present
     ]
@@ -429,18 +430,18 @@ def _start_transpose(operation):
 
     def transpose(cts, x, *, comm, **params):
         cts = list(cts)
-        pending_ct = cts.pop(0) if op.kind.pending else None
+        pending_ct = cts.pop(0) if op.kind.result else None
         request_ct = cts.pop(0)
-        keep_ct = cts.pop(0) if op.kind.keep else None
+        keep_ct = cts.pop(0) if op.kind.input else None
         if adjoint.local is not None:
-            return [instantiate(keep_ct if op.kind.keep else pending_ct)]
+            return [instantiate(keep_ct if op.kind.input else pending_ct)]
         target = adjoint.operation
         a_kind = OPERATIONS[target].kind
         a_params = adjoint.params(**params)
         # As the wait's transpose passed them: the adjoint's pending came as keep's
         # cotangent, its kept data as pending's.
         outs = bind_wait(target, comm, a_params, request_ct, pending_ct, keep_ct)
-        if not a_kind.pending:
+        if not a_kind.result:
             return [None]
         return [adjoint.after(outs[0], comm=comm)]
 
@@ -457,8 +458,8 @@ def _start_batch(operation):
         _p2p.refuse_derivative_of_reply(operation, params, "batching")
         (x,), (dim,) = args, dims
         outs = op.start.bind(move_batch(x, dim, op.batch_in), comm=comm, **params)
-        out_dims = [op.batch_out] if op.kind.pending else []
-        return outs, [*out_dims, None, *([op.batch_in] if op.kind.keep else [])]
+        out_dims = [op.batch_out] if op.kind.result else []
+        return outs, [*out_dims, None, *([op.batch_in] if op.kind.input else [])]
 
     return rule
 
@@ -468,7 +469,7 @@ def _wait_batch(args, dims, *, operation, comm, params):
     if dims[0] is not None:
         raise ValueError(f"wait: the request of {operation} cannot be batched")
     outs = wait_p.bind(*args, operation=operation, comm=comm, params=params)
-    return outs, ([dims[-1]] if kind.pending else []) + ([None] if kind.status else [])
+    return outs, ([dims[-1]] if kind.result else []) + ([None] if kind.status else [])
 
 
 for _name, _op in OPERATIONS.items():

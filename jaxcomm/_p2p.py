@@ -1,4 +1,4 @@
-"""Point to point: send, recv, sendrecv, and barrier.
+"""Point to point: send, recv and sendrecv.
 
 recv and sendrecv also return a status array int32[2] = (source, tag) of the
 received message, so ANY_SOURCE/ANY_TAG callers can learn them inside jit.
@@ -48,7 +48,6 @@ sendrecv_p = comm_primitive(
     _sendrecv_shape,
     params={"source": SOURCE, "dest": DEST, "sendtag": TAG, "recvtag": RECEIVED_TAG},
 )
-barrier_p = comm_primitive("barrier", lambda **_: [])
 
 
 def _tagged_shape(x, tags, *, shape, dtype, **_):

@@ -1,6 +1,6 @@
 """How a jaxcomm operation becomes a JAX primitive, and the helpers its rules share.
 
-Every operation of the C++ table (cpp/ops.h) is a multiple-results primitive
+Every operation of the C++ table (cpp/operations.h) is a multiple-results primitive
 carrying COMM_EFFECT, lowered to the FFI target ``jaxcomm_<name>`` with the effect
 token threaded through it and the table's attributes, and run eagerly on host
 arrays by jaxcomm._eager, from the declaration (else by compiling the single
@@ -43,11 +43,11 @@ AbstractEval = Callable[..., Sequence[Any]]
 # anything; or a function of (comm, **params) that says so.
 LeadingAxis = str | Callable[..., str | None] | None
 
-# Each C++ operation's own attributes, from its one declaration (cpp/ops.h).
+# Each C++ operation's own attributes, from its one declaration (cpp/operations.h).
 _ATTRIBUTES: dict[str, tuple[str, ...]] = {
     name: tuple(attributes) for name, attributes in cpu.attributes().items()
 }
-#: Every operation's primitive, by name: one for each operation in cpp/ops.h.
+#: Every operation's primitive, by name: one for each operation in cpp/operations.h.
 PRIMITIVES: dict[str, CommPrimitive] = {}
 
 
@@ -86,7 +86,7 @@ class CommPrimitive(Primitive):
         template: bool,
     ):
         super().__init__(f"jaxcomm_{name}")
-        self.op_name = name
+        self.operation = name
         self.result_types = abstract_eval  # not abstract_eval: Primitive has its own
         self.params = dict(params)
         self.elementwise = elementwise
@@ -107,13 +107,13 @@ class CommPrimitive(Primitive):
         to use, or raises."""
         for name, check in self.params.items():
             if name in params:
-                params[name] = check(self.op_name, name, params[name], comm.size)
+                params[name] = check(self.operation, name, params[name], comm.size)
 
     def check_operands(self, leaves: list[Any], params: dict[str, Any], comm: CommInfo) -> list:
         """The leaves of x as arrays, checked for a call with (checked) `params`:
         dtypes and platform (jaxcomm._checks.arrays) and, where declared, a leading
         axis of length size; a receive from MPI.ANY_SOURCE takes one array."""
-        operation = self.op_name
+        operation = self.operation
         leaves = _checks.arrays(operation, leaves, params.get("op"))
         if len(leaves) > 1 and params.get("source") == MPI.ANY_SOURCE:
             raise ValueError(
@@ -147,7 +147,7 @@ def comm_primitive(
 ) -> CommPrimitive:
     """Define the primitive for operation `name`.
 
-    `name` is an operation of cpp/ops.h, whose attributes (ints as int32, strings
+    `name` is an operation of cpp/operations.h, whose attributes (ints as int32, strings
     as string attributes) the primitive's params must include.
     abstract_eval(*avals, comm, **params) returns the output avals.
     `aliases(*avals, **params)` says which outputs may reuse which inputs.
@@ -158,12 +158,12 @@ def comm_primitive(
     `leading_axis`: what must have a leading axis of length size (its name in the
     error), if anything; or a function of (comm, **params) that says so.
     `template`: the first operand (a receive's template) gives only the results'
-    shape and dtype; the host function does not take it (cpp/ops.h), so neither
+    shape and dtype; the host function does not take it (cpp/operations.h), so neither
     the compiled call (where a template made for the call would cost a kernel
     that fills it) nor the eager call passes it.
     """
     if name not in _ATTRIBUTES:
-        raise ValueError(f"no operation {name!r} in the C++ table (cpp/ops.h)")
+        raise ValueError(f"no operation {name!r} in the C++ table (cpp/operations.h)")
     if name in PRIMITIVES:
         raise ValueError(f"operation {name!r} is declared twice")
     primitive = CommPrimitive(

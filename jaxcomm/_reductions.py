@@ -19,7 +19,7 @@ from jax import core
 
 from jaxcomm._checks import ROOT, reduce_op
 from jaxcomm._collectives import allgather, bcast
-from jaxcomm._ops import ReduceOp
+from jaxcomm._datatypes import ReduceOp
 from jaxcomm._primitive import CommInfo, asked_in_place, comm_primitive, same_shape
 from jaxcomm._replicated import pvary, pvary_p, replicated_cotangent
 from jaxcomm._rules import (

@@ -158,7 +158,7 @@ class Request:
                 continue
             for i, piece in zip(message.members, message.unpack(out[0]), strict=True):
                 results[i] = self._array(i, piece)
-        if not _nonblocking.OPERATIONS[self.operation].kind.pending:
+        if not _nonblocking.OPERATIONS[self.operation].kind.result:
             return None, None
         result = self._tree.unflatten(results)
         if not self._return_status:
@@ -188,13 +188,15 @@ def _wait_traced(operation, comm, params, pending, request, keep):
     return _nonblocking.bind_wait(operation, comm, params, request, keep, pending)
 
 
-def _part(kind: _nonblocking.Kind, outputs: Sequence[Any], leaf: Any, direct: bool) -> tuple:
+def _part(
+    kind: _nonblocking.StartBuffers, outputs: Sequence[Any], leaf: Any, direct: bool
+) -> tuple:
     """(pending, request, keep) of a leaf's start, from its outputs."""
     outputs = list(outputs)
-    pending = outputs.pop(0) if kind.pending else None
+    pending = outputs.pop(0) if kind.result else None
     request = outputs.pop(0)
     # On the direct path MPI reads the leaf's own buffer: hold on to the leaf.
-    keep = outputs.pop(0) if kind.keep and not direct else leaf
+    keep = outputs.pop(0) if kind.input and not direct else leaf
     return pending, request, keep
 
 

@@ -65,7 +65,7 @@ def _signed64(handle: int) -> int:
 _BLOCKING_ONLY = ("in_place",)
 
 
-def _posting(
+def _nonblocking_method(
     blocking: Callable[Concatenate[Any, PyTree, P], Any], doc: str
 ) -> Callable[Concatenate[Any, PyTree, P], Request]:
     """The non-blocking form of JaxComm method `blocking`: the same parameters,
@@ -335,24 +335,26 @@ class JaxComm:
         )
         return _received(result, rest, source, recvtag) if return_status else result
 
-    iallreduce = _posting(
+    iallreduce = _nonblocking_method(
         allreduce, "Post allreduce; ``wait`` returns its result. Like MPI_Iallreduce."
     )
-    ireduce_scatter = _posting(
+    ireduce_scatter = _nonblocking_method(
         reduce_scatter,
         "Post reduce_scatter (x: ``(size, *s)``); ``wait`` returns row `rank`, shape s.",
     )
-    ibcast = _posting(bcast, "Post bcast; ``wait`` returns root's x.")
-    iallgather = _posting(allgather, "Post allgather; ``wait`` returns ``(size, *x.shape)``.")
-    ialltoall = _posting(
+    ibcast = _nonblocking_method(bcast, "Post bcast; ``wait`` returns root's x.")
+    iallgather = _nonblocking_method(
+        allgather, "Post allgather; ``wait`` returns ``(size, *x.shape)``."
+    )
+    ialltoall = _nonblocking_method(
         alltoall, "Post alltoall (x: ``(size, *s)``); ``wait`` returns ``(size, *s)``."
     )
-    isend = _posting(
+    isend = _nonblocking_method(
         send,
         "Post a send of x to dest; ``wait`` returns None. MPI sends a copy of x that "
         "jaxcomm keeps until the message has left.",
     )
-    irecv = _posting(
+    irecv = _nonblocking_method(
         recv,
         "Post a receive into arrays shaped like x (a template); ``wait`` returns the "
         "result, or (result, Status) with return_status=True.",
@@ -431,7 +433,7 @@ class JaxComm:
 
     def barrier(self: Self) -> Self:
         """Block until every rank has reached the barrier. Returns self."""
-        _dispatch.run_alone(_p2p.barrier_p, self._comm)
+        _dispatch.run_alone(_collectives.barrier_p, self._comm)
         return self
 
 

@@ -51,7 +51,7 @@ def test_debug_log_has_one_line_per_call(tmp_path):
 
 def test_debug_log_names_every_operation_as_the_cpp_table_does(tmp_path):
     """Each host function names its operation in the log by hand; running every
-    operation of cpp/ops.h's table shows that the names agree with the table."""
+    operation of cpp/operations.h's table shows that the names agree with the table."""
     script = program(
         tmp_path,
         """

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (numpy arithmetic on bfloat16)
 import numpy as np
 
-from jaxcomm._ops import DTYPES, VALID_DTYPES, ReduceOp
+from jaxcomm._datatypes import DTYPES, VALID_DTYPES, ReduceOp
 
 
 def rank_data(rank: int, shape=(3, 2), dtype="float32") -> np.ndarray:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from data import FLOAT, assert_values, rank_data
 
-from jaxcomm._ops import DTYPES
+from jaxcomm._datatypes import DTYPES
 
 MODES = ["eager", "jit"]
 

@@ -128,11 +128,11 @@ def test_a_compiled_call_after_free_raises_instead_of_using_a_reused_handle():
 
 
 def test_the_cpp_and_python_declarations_agree():
-    """cpp/ops.h declares every operation once; each has one Python primitive, and
+    """cpp/operations.h declares every operation once; each has one Python primitive, and
     the modules register exactly those (the CUDA one: the blocking operations).
     The reduction operators have the same numbers on both sides."""
     from jaxcomm import _native, _nonblocking
-    from jaxcomm._ops import ReduceOp
+    from jaxcomm._datatypes import ReduceOp
     from jaxcomm._primitive import PRIMITIVES
 
     assert list(_native.cpu.reduce_op_names) == [op.name.lower() for op in ReduceOp]

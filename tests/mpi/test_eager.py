@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not _eager.ENABLED, reason="JAXCOMM_EAGER=jit: n
 def full_path_calls(monkeypatch):
     """How many JaxComm calls have gone through argument handling (not the shortcut),
     starting from an empty cache of prepared calls (whatever tests ran before)."""
-    monkeypatch.setattr(_eager, "_prepared_calls", _eager._Prepared(64))
+    monkeypatch.setattr(_eager, "_prepared_calls", _eager._PreparedCalls(64))
     calls = []
     arrays = _checks.arrays
 
@@ -222,7 +222,7 @@ def test_shortcut_refuses_a_freed_communicator_and_a_deleted_array(comm):
 
 
 def test_prepared_calls_are_bounded_least_recently_used_first():
-    cache = _eager._Prepared(2)
+    cache = _eager._PreparedCalls(2)
     cache.put(("a",), 1)
     cache.put(("b",), 2)
     assert cache.get(("a",)) == 1  # a is now the most recently used

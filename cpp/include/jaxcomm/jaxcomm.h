@@ -45,7 +45,7 @@ inline int comm_rank(MPI_Comm comm) {
 
 // Turns an MPI return code into an FFI error naming the operation, the rank and
 // MPI's own message; MPI_SUCCESS becomes ffi::Error::Success().
-inline ffi::Error check_mpi(int code, std::string_view op, MPI_Comm comm) {
+inline ffi::Error check_mpi(int code, std::string_view operation, MPI_Comm comm) {
   if (code == MPI_SUCCESS) return ffi::Error::Success();
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;
@@ -53,7 +53,7 @@ inline ffi::Error check_mpi(int code, std::string_view op, MPI_Comm comm) {
     length = std::snprintf(text, sizeof text, "MPI error code %d", code);
   }
   std::string message = "jaxcomm: MPI error in ";
-  message.append(op).append(" on rank ").append(std::to_string(comm_rank(comm)));
+  message.append(operation).append(" on rank ").append(std::to_string(comm_rank(comm)));
   message.append(": ").append(text, static_cast<size_t>(length));
   int error_class = MPI_SUCCESS;
   if (MPI_Error_class(code, &error_class) == MPI_SUCCESS && error_class == MPI_ERR_TRUNCATE) {
@@ -68,21 +68,21 @@ inline ffi::Error check_mpi(int code, std::string_view op, MPI_Comm comm) {
   return ffi::Error(ffi::ErrorCode::kInternal, std::move(message));
 }
 
-inline ffi::Error invalid_argument(std::string_view op, std::string_view what) {
+inline ffi::Error invalid_argument(std::string_view operation, std::string_view what) {
   std::string message = "jaxcomm: ";
-  message.append(op).append(": ").append(what);
+  message.append(operation).append(": ").append(what);
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::move(message));
 }
 
 // Propagates a failed MPI call out of a handler.
-#define JAXCOMM_CHECK_MPI(call, op, comm)                                            \
-  do {                                                                               \
-    if (::xla::ffi::Error jaxcomm_err_ = ::jaxcomm::check_mpi((call), (op), (comm)); \
-        jaxcomm_err_.failure())                                                      \
-      return jaxcomm_err_;                                                           \
+#define JAXCOMM_CHECK_MPI(call, operation, comm)                                            \
+  do {                                                                                      \
+    if (::xla::ffi::Error jaxcomm_err_ = ::jaxcomm::check_mpi((call), (operation), (comm)); \
+        jaxcomm_err_.failure())                                                             \
+      return jaxcomm_err_;                                                                  \
   } while (0)
 
-// Reduction operators, numbered as in jaxcomm._ops.ReduceOp.
+// Reduction operators, numbered as in jaxcomm._datatypes.ReduceOp.
 enum class ReduceOp : int32_t {
   kSum = 0,
   kProd,

@@ -1,4 +1,5 @@
-"""The table of reduction operators and the dtypes each one accepts.
+"""The dtypes jaxcomm moves and the reduction operators, with the dtypes each
+one accepts (cpp/datatypes.h maps both to MPI's).
 
 This table drives argument checking (jaxcomm._checks), the C++ operator number (ReduceOp's value,
 mirrored by jaxcomm::ReduceOp in jaxcomm.h) and the tests.

@@ -1,10 +1,11 @@
-// jaxcomm's operations: the host-memory functions (collectives.cc, p2p.cc,
-// replicated.cc), their XLA FFI bindings and the one table of targets that
+// jaxcomm's operations: the host-memory functions (one file per family, named
+// as jaxcomm's Python modules are: reductions.cc, collectives.cc, p2p.cc,
+// nonblocking.cc, replicated.cc), their XLA FFI bindings and the one table of targets that
 // both backends register from. The CPU backend (cpu.cc) binds the
 // functions directly; the CUDA backend (cuda.cc) binds them behind staging,
 // with XLA's CUDA stream as an extra context argument.
-#ifndef JAXCOMM_OPS_H_
-#define JAXCOMM_OPS_H_
+#ifndef JAXCOMM_OPERATIONS_H_
+#define JAXCOMM_OPERATIONS_H_
 
 #include <cstdint>
 #include <string_view>
@@ -16,7 +17,7 @@ namespace jaxcomm {
 
 namespace ffi = xla::ffi;
 
-namespace host {
+namespace mpi {
 
 using Token = ffi::Token;
 using TokenOut = ffi::Result<ffi::Token>;
@@ -74,7 +75,7 @@ ffi::Error Test(Token, Buffer request, TokenOut, ffi::Result<ffi::BufferR0<ffi::
 ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check,
                            std::string_view operation);
 
-}  // namespace host
+}  // namespace mpi
 
 // Bindings start after the backend's context arguments `base` (none on CPU, the
 // stream on CUDA); every op's buffers are followed by its communicator's key
@@ -100,9 +101,9 @@ auto returning(Binding&& binding) {
 template <typename... Results, typename Binding>
 auto one_input(Binding&& base) {
   auto inputs = std::forward<Binding>(base)
-                    .template Arg<host::Token>()
-                    .template Arg<host::Buffer>()
-                    .template Ret<host::Token>();
+                    .template Arg<mpi::Token>()
+                    .template Arg<mpi::Buffer>()
+                    .template Ret<mpi::Token>();
   if constexpr (sizeof...(Results) == 0) {
     return with_comm(std::move(inputs));
   } else {
@@ -113,7 +114,7 @@ auto one_input(Binding&& base) {
 // token -> token, Results..., with the communicator's attributes: the receives.
 template <typename... Results, typename Binding>
 auto no_input(Binding&& base) {
-  auto inputs = std::forward<Binding>(base).template Arg<host::Token>().template Ret<host::Token>();
+  auto inputs = std::forward<Binding>(base).template Arg<mpi::Token>().template Ret<mpi::Token>();
   return with_comm(returning<Results...>(std::move(inputs)));
 }
 
@@ -123,33 +124,32 @@ auto no_input(Binding&& base) {
 // caller's A makes them `.Attr<type>("name")` to complete the binding
 // (JAXCOMM_BIND_ATTRIBUTE) or lists their names (the Python side derives its
 // primitives' attributes, and the eager path their order, from these).
-#define JAXCOMM_OPERATIONS(X, base, A)                                              \
-  X(allreduce, Allreduce, one_input<host::Buffer>(base), A(int32_t, op))            \
-  X(reduce, Reduce, one_input<host::Buffer>(base), A(int32_t, op) A(int32_t, root)) \
-  X(scan, Scan, one_input<host::Buffer>(base), A(int32_t, op))                      \
-  X(exscan, Exscan, one_input<host::Buffer>(base), A(int32_t, op))                  \
-  X(reduce_scatter, ReduceScatter, one_input<host::Buffer>(base), A(int32_t, op))   \
-  X(bcast, Bcast, one_input<host::Buffer>(base), A(int32_t, root))                  \
-  X(gather, Gather, one_input<host::Buffer>(base), A(int32_t, root))                \
-  X(allgather, Allgather, one_input<host::Buffer>(base), )                          \
-  X(scatter, Scatter, one_input<host::Buffer>(base), A(int32_t, root))              \
-  X(alltoall, Alltoall, one_input<host::Buffer>(base), )                            \
-  X(send, Send, one_input<>(base), A(int32_t, dest) A(int32_t, tag))                \
-  X(recv, Recv, (no_input<host::Buffer, host::StatusBuffer>(base)),                 \
-    A(int32_t, source) A(int32_t, tag))                                             \
-  X(sendrecv, Sendrecv, (one_input<host::Buffer, host::StatusBuffer>(base)),        \
-    A(int32_t, source) A(int32_t, dest) A(int32_t, sendtag) A(int32_t, recvtag))    \
-  X(tagged_sendrecv, TaggedSendrecv,                                                \
-    with_comm(base.Arg<host::Token>()                                               \
-                  .Arg<host::Buffer>()                                              \
-                  .Arg<host::Buffer>()                                              \
-                  .Ret<host::Token>()                                               \
-                  .Ret<host::Buffer>()                                              \
-                  .Ret<host::StatusBuffer>()),                                      \
-    A(int32_t, source) A(int32_t, dest))                                            \
-  X(barrier, Barrier, with_comm(base.Arg<host::Token>().Ret<host::Token>()), )      \
-  X(check_replicated, CheckReplicated, one_input<host::Buffer>(base),               \
-    A(std::string_view, operation))
+#define JAXCOMM_OPERATIONS(X, base, A)                                             \
+  X(allreduce, Allreduce, one_input<mpi::Buffer>(base), A(int32_t, op))            \
+  X(reduce, Reduce, one_input<mpi::Buffer>(base), A(int32_t, op) A(int32_t, root)) \
+  X(scan, Scan, one_input<mpi::Buffer>(base), A(int32_t, op))                      \
+  X(exscan, Exscan, one_input<mpi::Buffer>(base), A(int32_t, op))                  \
+  X(reduce_scatter, ReduceScatter, one_input<mpi::Buffer>(base), A(int32_t, op))   \
+  X(bcast, Bcast, one_input<mpi::Buffer>(base), A(int32_t, root))                  \
+  X(gather, Gather, one_input<mpi::Buffer>(base), A(int32_t, root))                \
+  X(allgather, Allgather, one_input<mpi::Buffer>(base), )                          \
+  X(scatter, Scatter, one_input<mpi::Buffer>(base), A(int32_t, root))              \
+  X(alltoall, Alltoall, one_input<mpi::Buffer>(base), )                            \
+  X(send, Send, one_input<>(base), A(int32_t, dest) A(int32_t, tag))               \
+  X(recv, Recv, (no_input<mpi::Buffer, mpi::StatusBuffer>(base)),                  \
+    A(int32_t, source) A(int32_t, tag))                                            \
+  X(sendrecv, Sendrecv, (one_input<mpi::Buffer, mpi::StatusBuffer>(base)),         \
+    A(int32_t, source) A(int32_t, dest) A(int32_t, sendtag) A(int32_t, recvtag))   \
+  X(tagged_sendrecv, TaggedSendrecv,                                               \
+    with_comm(base.Arg<mpi::Token>()                                               \
+                  .Arg<mpi::Buffer>()                                              \
+                  .Arg<mpi::Buffer>()                                              \
+                  .Ret<mpi::Token>()                                               \
+                  .Ret<mpi::Buffer>()                                              \
+                  .Ret<mpi::StatusBuffer>()),                                      \
+    A(int32_t, source) A(int32_t, dest))                                           \
+  X(barrier, Barrier, with_comm(base.Arg<mpi::Token>().Ret<mpi::Token>()), )       \
+  X(check_replicated, CheckReplicated, one_input<mpi::Buffer>(base), A(std::string_view, operation))
 
 #define JAXCOMM_BIND_ATTRIBUTE(type, name) .Attr<type>(#name)
 #define JAXCOMM_ATTRIBUTE_NAME(type, name) #name,
@@ -158,16 +158,16 @@ auto no_input(Binding&& base) {
 // jaxcomm_wait and jaxcomm_test. A start returns its result's buffer, the request
 // and x passed through (isend has no result; irecv and ibcast no x: ibcast works
 // in x's buffer).
-#define JAXCOMM_NONBLOCKING_OPERATIONS(X, base, A)                                                 \
-  X(iallreduce, Iallreduce, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)),           \
-    A(int32_t, op))                                                                                \
-  X(ireduce_scatter, IreduceScatter, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)),  \
-    A(int32_t, op))                                                                                \
-  X(ibcast, Ibcast, (one_input<host::Buffer, host::Buffer>(base)), A(int32_t, root))               \
-  X(iallgather, Iallgather, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)), )         \
-  X(ialltoall, Ialltoall, (one_input<host::Buffer, host::Buffer, host::Buffer>(base)), )           \
-  X(isend, Isend, (one_input<host::Buffer, host::Buffer>(base)), A(int32_t, dest) A(int32_t, tag)) \
-  X(irecv, Irecv, (no_input<host::Buffer, host::Buffer>(base)), A(int32_t, source) A(int32_t, tag))
+#define JAXCOMM_NONBLOCKING_OPERATIONS(X, base, A)                                               \
+  X(iallreduce, Iallreduce, (one_input<mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)),            \
+    A(int32_t, op))                                                                              \
+  X(ireduce_scatter, IreduceScatter, (one_input<mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)),   \
+    A(int32_t, op))                                                                              \
+  X(ibcast, Ibcast, (one_input<mpi::Buffer, mpi::Buffer>(base)), A(int32_t, root))               \
+  X(iallgather, Iallgather, (one_input<mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)), )          \
+  X(ialltoall, Ialltoall, (one_input<mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)), )            \
+  X(isend, Isend, (one_input<mpi::Buffer, mpi::Buffer>(base)), A(int32_t, dest) A(int32_t, tag)) \
+  X(irecv, Irecv, (no_input<mpi::Buffer, mpi::Buffer>(base)), A(int32_t, source) A(int32_t, tag))
 
 // Each host function's operation name, from the tables above: what the wrapper
 // that calls it (a handler, an eager call) enters (call.h, Entered).
@@ -175,7 +175,7 @@ template <auto Function>
 inline constexpr std::string_view kOperationName = "jaxcomm";
 #define JAXCOMM_OPERATION_NAME(name, function, ...) \
   template <>                                       \
-  inline constexpr std::string_view kOperationName<&host::function> = #name;
+  inline constexpr std::string_view kOperationName<&mpi::function> = #name;
 JAXCOMM_OPERATIONS(JAXCOMM_OPERATION_NAME, _, JAXCOMM_ATTRIBUTE_NAME)
 JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_OPERATION_NAME, _, JAXCOMM_ATTRIBUTE_NAME)
 JAXCOMM_OPERATION_NAME(wait, Wait)
@@ -185,22 +185,22 @@ JAXCOMM_OPERATION_NAME(test, Test)
 template <typename Binding>
 auto waiting(Binding&& base) {
   return std::forward<Binding>(base)
-      .template Arg<host::Token>()
-      .template Arg<host::Buffer>()
+      .template Arg<mpi::Token>()
+      .template Arg<mpi::Buffer>()
       .RemainingArgs()
-      .template Ret<host::Token>()
+      .template Ret<mpi::Token>()
       .RemainingRets();
 }
 
 template <typename Binding>
 auto testing(Binding&& base) {
   return std::forward<Binding>(base)
-      .template Arg<host::Token>()
-      .template Arg<host::Buffer>()
-      .template Ret<host::Token>()
+      .template Arg<mpi::Token>()
+      .template Arg<mpi::Buffer>()
+      .template Ret<mpi::Token>()
       .template Ret<ffi::BufferR0<ffi::PRED>>();
 }
 
 }  // namespace jaxcomm
 
-#endif  // JAXCOMM_OPS_H_
+#endif  // JAXCOMM_OPERATIONS_H_
