@@ -14,7 +14,14 @@ allgather        (count,)         (p, count)       the input, element 0 replaced
 reduce_scatter   (p, count)       (count,)         the input, element 0 replaced by the output's
 scan             (count,)         (count,)         output
 i<op>            as <op>          as <op>          as <op>
+alltoallv        (p * count,)     (p * count,)     the input, element 0 replaced by the output's
+alltoallv_skew   (10 p count,)    ((p + 9) count,) as alltoallv; on rank 0, 10x the others'
 ===============  ===============  ===============  ====================================
+
+alltoallv sends `count` elements (rows of one float32) to every rank, and
+alltoallv_skew the same but 10 * count from rank 0 (its input is 10x longer);
+both count the rows received with an alltoall of the counts on every call, as
+a program whose counts change would (C: MPI_Alltoall, then MPI_Alltoallv).
 
 The non-blocking ops (iallreduce, ibcast, ialltoall, iallgather, ireduce_scatter,
 and isendrecv: an irecv and an isend) post and then wait at once: what a
@@ -49,7 +56,8 @@ from mpi4py import MPI
 
 BLOCKING = ("allreduce", "bcast", "sendrecv", "alltoall", "allgather", "reduce_scatter", "scan")
 NONBLOCKING = ("iallreduce", "ibcast", "isendrecv", "ialltoall", "iallgather", "ireduce_scatter")
-OPS = BLOCKING + NONBLOCKING
+VARIABLE = ("alltoallv", "alltoallv_skew")
+OPS = BLOCKING + NONBLOCKING + VARIABLE
 
 
 def python_calls(op: str) -> int:
@@ -69,13 +77,20 @@ def peer_of(rank: int, size: int) -> int:
     return rank ^ 1 if rank ^ 1 < size else rank
 
 
-def input_shape(op: str, count: int, size: int) -> tuple[int, ...]:
+def send_counts(op: str, count: int, rank: int, size: int) -> np.ndarray:
+    """alltoallv's rows from `rank` to each rank."""
+    return np.full(size, count * (10 if op == "alltoallv_skew" and rank == 0 else 1), np.int32)
+
+
+def input_shape(op: str, count: int, size: int, rank: int = 0) -> tuple[int, ...]:
+    if op in VARIABLE:
+        return (int(send_counts(op, count, rank, size).sum()),)
     return (size, count) if blocking_form(op) in ("alltoall", "reduce_scatter") else (count,)
 
 
 def reference_input(op: str, count: int, rank: int, size: int) -> np.ndarray:
     """Small exact float32 values that differ between ranks and positions."""
-    shape = input_shape(op, count, size)
+    shape = input_shape(op, count, size, rank)
     return (np.arange(np.prod(shape)) % 5 + 0.5 * (rank + 1)).astype(np.float32).reshape(shape)
 
 
@@ -96,7 +111,17 @@ def expected(op: str, count: int, rank: int, size: int) -> np.ndarray:
         return np.sum(inputs, axis=0)[rank]
     if op == "scan":
         return np.sum(inputs[: rank + 1], axis=0)
+    if op in VARIABLE:
+        counts = [send_counts(op, count, r, size) for r in range(size)]
+        return np.concatenate(
+            [inputs[r][counts[r][:rank].sum() :][: counts[r][rank]] for r in range(size)]
+        )
     raise ValueError(op)
+
+
+def capacity(op: str, count: int, size: int) -> int:
+    """alltoallv's rows received, the same on every rank."""
+    return int(sum(send_counts(op, count, r, size)[0] for r in range(size)))
 
 
 @dataclass
@@ -202,6 +227,8 @@ class Mpi4py(Backend):
             "ialltoall": lambda a, b: comm.Ialltoall(a, b).Wait(),
             "iallgather": lambda a, b: comm.Iallgather(a, b).Wait(),
             "ireduce_scatter": lambda a, b: comm.Ireduce_scatter_block(a, b, op=MPI.SUM).Wait(),
+            "alltoallv": partial(self._alltoallv, send_counts(op, count, comm.rank, size)),
+            "alltoallv_skew": partial(self._alltoallv, send_counts(op, count, comm.rank, size)),
         }
         call = calls[op]
         swaps = blocking_form(op) in ("allreduce", "sendrecv", "alltoall", "scan")
@@ -226,6 +253,14 @@ class Mpi4py(Backend):
             return time.perf_counter() - start
 
         return Case(result, run)
+
+    def _alltoallv(self, counts, a, b):
+        received = np.empty_like(counts)
+        self.comm.Alltoall(counts, received)
+        starts = lambda c: np.concatenate([[0], np.cumsum(c)[:-1]])  # noqa: E731
+        self.comm.Alltoallv(
+            [a, counts, starts(counts), MPI.FLOAT], [b, received, starts(received), MPI.FLOAT]
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -266,7 +301,7 @@ def jax_case(
     fn = call(op)
     x = reference_input(op, count, comm.rank, comm.size)
 
-    if live or blocking_form(op) in ("allgather", "reduce_scatter"):
+    if live or blocking_form(op) in ("allgather", "reduce_scatter", *VARIABLE):
         step = lambda c: c.at[(0,) * c.ndim].set(fn(c).reshape(-1)[0])  # noqa: E731
     else:
         step = fn
@@ -346,9 +381,14 @@ class JaxcommBackend(Backend):
             return isendrecv
         if op in NONBLOCKING:
             return lambda x: comm.wait(getattr(comm, op)(x))
+        if op in VARIABLE:
+            counts = send_counts(op, self._count, comm.rank, comm.size)
+            rows = capacity(op, self._count, comm.size)
+            return lambda x: comm.alltoallv(x, counts, capacity=rows)[0]
         return getattr(comm, op)
 
     def case(self, op, count):
+        self._count = count
         return jax_case(op, count, self._call, jit=self.jit, comm=self.mpi_comm, live=self.live)
 
 
@@ -377,7 +417,7 @@ class Mpi4jaxBackend(Backend):
         }[op]
 
     def case(self, op, count):
-        if op == "reduce_scatter" or op in NONBLOCKING:
+        if op == "reduce_scatter" or op in NONBLOCKING or op in VARIABLE:
             return None
         return jax_case(op, count, self._call, jit=self.jit, comm=self.comm, live=self.live)
 

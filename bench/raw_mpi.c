@@ -7,6 +7,7 @@
  * them in one job. Buffers are allocated and checked by the caller.
  */
 #include <mpi.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Runs `iters` calls of `op` on float32 buffers and returns the seconds taken;
@@ -84,6 +85,23 @@ double raw_mpi_time(const char* op, MPI_Fint comm_f, float* a, float* b, int cou
       MPI_Ireduce_scatter_block(a, b, count, MPI_FLOAT, MPI_SUM, comm, &requests[0]);
       MPI_Wait(&requests[0], MPI_STATUS_IGNORE);
     }
+  } else if (!strncmp(op, "alltoallv", 9)) {
+    /* The counts as bench/backends.py's send_counts: `count` rows of one float to
+     * every rank; for alltoallv_skew, 10x that from rank 0. */
+    int* counts = malloc(4 * sizeof(int) * (size_t)size);
+    int *send = counts, *send_at = counts + size, *recv = counts + 2 * size,
+        *recv_at = counts + 3 * size;
+    for (int d = 0; d < size; ++d) send[d] = !strcmp(op, "alltoallv_skew") && rank == 0 ? 10 * count : count;
+    for (int i = 0; i < iters; ++i) {
+      MPI_Alltoall(send, 1, MPI_INT, recv, 1, MPI_INT, comm);
+      send_at[0] = recv_at[0] = 0;
+      for (int d = 1; d < size; ++d) {
+        send_at[d] = send_at[d - 1] + send[d - 1];
+        recv_at[d] = recv_at[d - 1] + recv[d - 1];
+      }
+      MPI_Alltoallv(a, send, send_at, MPI_FLOAT, b, recv, recv_at, MPI_FLOAT, comm);
+    }
+    free(counts);
   } else {
     return -1.0;
   }

@@ -38,6 +38,11 @@ ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm, bool chec
 ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
 ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check, int32_t root);
 ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
+// x's rows to each rank, send_counts[i] (int32[size]) of them to rank i; out
+// takes the rows received, by source in rank order, then zeros. recv_counts
+// (int32[size]) is given_counts, or with `exchange` the counts the other ranks send.
+ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut, Result out,
+                     Result recv_counts, int64_t comm, bool check, int32_t exchange);
 ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm, bool check, int32_t dest, int32_t tag);
 // A receive's template gives its result's shape and dtype when traced, so XLA
 // does not pass it (a template made for the call would cost a kernel filling it).
@@ -135,6 +140,15 @@ auto no_input(Binding&& base) {
   X(allgather, Allgather, one_input<mpi::Buffer>(base), )                          \
   X(scatter, Scatter, one_input<mpi::Buffer>(base), A(int32_t, root))              \
   X(alltoall, Alltoall, one_input<mpi::Buffer>(base), )                            \
+  X(alltoallv, Alltoallv,                                                          \
+    with_comm(base.Arg<mpi::Token>()                                               \
+                  .Arg<mpi::Buffer>()                                              \
+                  .Arg<mpi::Buffer>()                                              \
+                  .Arg<mpi::Buffer>()                                              \
+                  .Ret<mpi::Token>()                                               \
+                  .Ret<mpi::Buffer>()                                              \
+                  .Ret<mpi::Buffer>()),                                            \
+    A(int32_t, exchange))                                                          \
   X(send, Send, one_input<>(base), A(int32_t, dest) A(int32_t, tag))               \
   X(recv, Recv, (no_input<mpi::Buffer, mpi::StatusBuffer>(base)),                  \
     A(int32_t, source) A(int32_t, tag))                                            \

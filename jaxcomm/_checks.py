@@ -77,6 +77,27 @@ def reduce_op(operation: str, name: str, value: Any, size: int) -> Any:
         raise ValueError(f"{operation}: {error}") from None
 
 
+def capacity(operation: str, name: str, value: Any, size: int) -> int:
+    """A number of rows fixed at trace time (the leading axis of a result)."""
+    rows = _static_int(operation, name, value)
+    if rows < 0:
+        raise ValueError(f"{operation}: {name}={rows} must be at least 0")
+    return rows
+
+
+def counts(operation: str, name: str, value: Any, size: int) -> Any:
+    """An integer array of one count per rank, as int32: a jax.Array (it may be
+    traced) stays one; anything else becomes a NumPy array, which an eager call
+    reads in place."""
+    counts = value if isinstance(value, jax.Array) else np.asarray(value)
+    if not jnp.issubdtype(counts.dtype, jnp.integer) or counts.shape != (size,):
+        raise TypeError(
+            f"{operation}: {name} must be an integer array of shape ({size},) (one count "
+            f"per rank), got {counts.dtype}{list(counts.shape)}"
+        )
+    return counts if counts.dtype == np.int32 else counts.astype(np.int32)
+
+
 ROOT = rank()
 DEST = rank(MPI.PROC_NULL)
 SOURCE = rank(MPI.ANY_SOURCE, MPI.PROC_NULL)

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxcomm import _eager, _fusion
 from jaxcomm._eager import ONE_ARRAY
@@ -83,6 +84,18 @@ def _traced(primitive, leaves, comm, params: Params, fuse: bool) -> tuple[list, 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _jitted(primitive, comm, params, fuse, leaves):
     return _traced(primitive, leaves, comm, params, fuse)
+
+
+def apply_to_arrays(
+    primitive: CommPrimitive, arrays: Sequence[jax.Array], comm: CommInfo, params: dict[str, Any]
+) -> list[Any]:
+    """`primitive` on its operands as they are (an operation on several arrays, not
+    a pytree): eagerly where it can be, else bound. NumPy operands (counts) are
+    read where they are."""
+    if _eager.can_run([a for a in arrays if not isinstance(a, np.ndarray)]):
+        outputs = _eager.call(primitive, arrays, comm, tuple(params.items()))
+        return [_eager.as_array(output, arrays[0]) for output in outputs]
+    return primitive.bind(*arrays, comm=comm, **params)
 
 
 def run_alone(primitive, comm, **params: Any) -> None:

@@ -10,6 +10,7 @@ from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 from mpi4py import MPI
 
 from jaxcomm import (
@@ -59,6 +60,12 @@ def _received(result: PyTree, rest: Sequence[Any], source: int, tag: int) -> tup
 def _signed64(handle: int) -> int:
     """mpi4py reports handles as unsigned; the FFI attribute is a signed int64."""
     return handle - (1 << 64) if handle >= (1 << 63) else handle
+
+
+@functools.cache
+def _no_counts(size: int) -> np.ndarray:
+    """The recv_counts operand of a call that exchanges them (its values unused)."""
+    return np.zeros(size, np.int32)
 
 
 #: Parameters of blocking methods that their non-blocking forms do not take.
@@ -283,6 +290,44 @@ class JaxComm:
         second array of x's size) at the cost of MPI's slower in-place exchange,
         and of a copy where x is still used afterwards."""
         return self._apply(_collectives.alltoall_p, x, in_place=in_place)[0]
+
+    def alltoallv(
+        self,
+        x: jax.Array,
+        send_counts: ArrayLike,
+        *,
+        capacity: int,
+        recv_counts: ArrayLike | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Rows of x to every rank, how many to each given per call (traceable).
+
+        x: ``(n, *s)``, its rows grouped by destination: the first
+        ``send_counts[0]`` go to rank 0, the next ``send_counts[1]`` to rank 1, and
+        so on (rows past their sum are not sent). send_counts: integers, ``(size,)``.
+
+        Returns ``(y, recv_counts)``: y ``(capacity, *s)`` holds the rows received,
+        grouped by source in rank order, then zeros; recv_counts, int32
+        ``(size,)``, how many came from each rank. Without ``recv_counts`` one
+        ``MPI_Alltoall`` exchanges the counts first; a given ``recv_counts`` is
+        trusted (checking mode verifies it). More rows than ``capacity`` arriving
+        is an error on that rank, which keeps none of them; the other ranks get
+        their rows.
+        """
+        comm, operation = self._comm, "alltoallv"
+        (x,) = _checks.arrays(operation, [x])
+        if x.ndim == 0:
+            raise ValueError(f"{operation}: x must have a leading axis of rows, got shape ()")
+        params = {
+            "capacity": _checks.capacity(operation, "capacity", capacity, comm.size),
+            "exchange": recv_counts is None,
+        }
+        send = _checks.counts(operation, "send_counts", send_counts, comm.size)
+        recv = _no_counts(comm.size) if recv_counts is None else recv_counts
+        recv = _checks.counts(operation, "recv_counts", recv, comm.size)
+        y, counts = _dispatch.apply_to_arrays(
+            _collectives.alltoallv_p, [x, send, recv], comm, params
+        )
+        return y, counts
 
     def send(self: Self, x: PyTree, dest: int, tag: int = 0) -> Self:
         """Send x to rank dest (blocking until MPI may reuse the buffer). Returns self."""

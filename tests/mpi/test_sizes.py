@@ -149,3 +149,27 @@ def test_collectives_never_take_a_wildcard_receive(comm, name, block):
         "bcast": lambda: data[0],
     }[name]()
     assert_values(out, expected)
+
+
+@pytest.mark.parametrize("row", [3, (1 << 16) + 7])
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_alltoallv(comm, row, mode):
+    """Skewed counts (some pairs exchange nothing) with small and 256 KiB rows."""
+
+    def sent_by(source):
+        return [(source + dest) % 3 for dest in range(comm.size)]
+
+    counts = sent_by(comm.rank)
+    capacity = 2 * comm.size
+    call = lambda x: comm.alltoallv(x, counts, capacity=capacity)  # noqa: E731
+    y, got = compiled(call, mode)(jnp.asarray(rank_data(comm.rank, (sum(counts), row))))
+    pieces = []
+    for source in range(comm.size):
+        theirs = sent_by(source)
+        start = sum(theirs[: comm.rank])
+        pieces.append(rank_data(source, (sum(theirs), row))[start : start + theirs[comm.rank]])
+    want = np.zeros((capacity, row), np.float32)
+    rows = np.concatenate(pieces)
+    want[: len(rows)] = rows
+    assert_values(y, want)
+    assert_values(got, np.array([sent_by(s)[comm.rank] for s in range(comm.size)], np.int32))

@@ -1,0 +1,247 @@
+"""alltoallv against a NumPy reference: every rank's counts and rows are derived
+from its rank, so each rank computes what every other rank sends it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from data import DTYPES, assert_values, rank_data
+from mpi4py import MPI
+
+from jaxcomm import JaxComm
+
+
+def uniform(source: int, size: int) -> list[int]:
+    return [2] * size
+
+
+def skewed(source: int, size: int) -> list[int]:
+    """Rank 0 sends ten times as many rows; some pairs exchange nothing."""
+    return [(10 if source == 0 else 1) * ((source + dest) % 3) for dest in range(size)]
+
+
+def nothing_from_one(source: int, size: int) -> list[int]:
+    """The last rank sends nothing and nobody sends to rank 0."""
+    return [0 if source == size - 1 or dest == 0 else 1 + dest for dest in range(size)]
+
+
+PATTERNS = {"uniform": uniform, "skewed": skewed, "zeros": nothing_from_one}
+
+
+def rows_of(source: int, counts: list[int], dtype="float32", row=(2,)) -> np.ndarray:
+    """The rows rank `source` sends, with one spare row that is never sent."""
+    return rank_data(source, (sum(counts) + 1, *row), dtype)
+
+
+def expected(rank, size, pattern, capacity, dtype="float32", row=(2,)):
+    """(rows rank `rank` receives, padded to capacity; the counts from each rank)."""
+    pieces, counts = [], []
+    for source in range(size):
+        sent = pattern(source, size)
+        start = sum(sent[:rank])
+        pieces.append(rows_of(source, sent, dtype, row)[start : start + sent[rank]])
+        counts.append(sent[rank])
+    got = np.concatenate(pieces)
+    padded = np.zeros((capacity, *row), got.dtype)
+    padded[: len(got)] = got
+    return padded, np.array(counts, np.int32)
+
+
+def capacity_for(size: int, pattern) -> int:
+    return max(sum(pattern(s, size)[r] for s in range(size)) for r in range(size)) + 1
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_values_match_numpy(comm, pattern, mode):
+    counts = PATTERNS[pattern](comm.rank, comm.size)
+    capacity = capacity_for(comm.size, PATTERNS[pattern])
+    call = lambda x, c: comm.alltoallv(x, c, capacity=capacity)  # noqa: E731
+    fn = jax.jit(call) if mode == "jit" else call
+    y, got = fn(jnp.asarray(rows_of(comm.rank, counts)), np.array(counts))
+    want, want_counts = expected(comm.rank, comm.size, PATTERNS[pattern], capacity)
+    assert_values(y, want)
+    assert_values(got, want_counts)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_dtype(comm, dtype):
+    counts = skewed(comm.rank, comm.size)
+    capacity = capacity_for(comm.size, skewed)
+    x = jnp.asarray(rows_of(comm.rank, counts, dtype, row=(3, 2)))
+    y, _ = jax.jit(lambda x: comm.alltoallv(x, np.array(counts), capacity=capacity))(x)
+    assert_values(y, expected(comm.rank, comm.size, skewed, capacity, dtype, (3, 2))[0])
+
+
+def test_given_recv_counts_skip_the_exchange(comm):
+    counts = skewed(comm.rank, comm.size)
+    capacity = capacity_for(comm.size, skewed)
+    want, want_counts = expected(comm.rank, comm.size, skewed, capacity)
+    x = jnp.asarray(rows_of(comm.rank, counts))
+    y, got = comm.alltoallv(x, counts, capacity=capacity, recv_counts=want_counts)
+    assert_values(y, want)
+    assert_values(got, want_counts)
+
+
+def test_traced_counts_change_without_recompiling(comm):
+    traces = []
+
+    @jax.jit
+    def step(x, shift):
+        traces.append(1)
+        counts = (jnp.arange(comm.size) + comm.rank + shift) % 3
+        return comm.alltoallv(x, counts, capacity=3 * comm.size)
+
+    x = jnp.asarray(rank_data(comm.rank, (2 * comm.size, 2)))
+    for shift in range(3):
+        y, got = step(x, shift)
+        sent = [(d + comm.rank + shift) % 3 for d in range(comm.size)]
+        assert sum(sent) <= 2 * comm.size
+        want_counts = [(comm.rank + s + shift) % 3 for s in range(comm.size)]
+        assert_values(got, np.array(want_counts, np.int32))
+        pieces = []
+        for source in range(comm.size):
+            theirs = [(d + source + shift) % 3 for d in range(comm.size)]
+            start = sum(theirs[: comm.rank])
+            pieces.append(rank_data(source, (2 * comm.size, 2))[start : start + theirs[comm.rank]])
+        got_rows = np.concatenate(pieces)
+        assert_values(y[: len(got_rows)], got_rows)
+        assert not np.asarray(y[len(got_rows) :]).any()
+    assert len(traces) == 1
+
+
+def test_zero_size_rows_and_no_rows(comm):
+    counts = [1] * comm.size
+    y, got = comm.alltoallv(jnp.zeros((comm.size, 0)), counts, capacity=comm.size)
+    assert y.shape == (comm.size, 0)
+    assert_values(got, np.ones(comm.size, np.int32))
+    y, got = jax.jit(lambda x: comm.alltoallv(x, [0] * comm.size, capacity=0))(jnp.zeros((0, 2)))
+    assert y.shape == (0, 2)
+    assert_values(got, np.zeros(comm.size, np.int32))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_overflow_is_an_error_on_the_rank_that_overflows_only(comm, mode):
+    """Rank 0 gets one more row than its capacity; the others still get theirs,
+    and the next call on every rank works."""
+    counts = [1] * comm.size
+    capacity = comm.size - 1 if comm.rank == 0 else comm.size
+    call = lambda x: comm.alltoallv(x, counts, capacity=capacity)  # noqa: E731
+    fn = jax.jit(call) if mode == "jit" else call
+    x = jnp.asarray(rank_data(comm.rank, (comm.size, 2)))
+    if comm.rank == 0:
+        with pytest.raises(Exception, match=r"add up to \d+ rows, more than capacity="):
+            jax.block_until_ready(fn(x))
+    else:
+        y, _ = fn(x)
+        want = np.stack([rank_data(s, (comm.size, 2))[comm.rank] for s in range(comm.size)])
+        assert_values(y, want)
+    y, _ = comm.alltoallv(x, counts, capacity=comm.size)
+    assert_values(y[0], rank_data(0, (comm.size, 2))[comm.rank])
+
+
+def test_more_send_counts_than_rows_is_an_error_on_that_rank(comm):
+    counts = [1] * comm.size
+    rows = comm.size - 1 if comm.rank == comm.size - 1 else comm.size
+    x = jnp.asarray(rank_data(comm.rank, (rows, 2)))
+    if comm.rank == comm.size - 1:
+        with pytest.raises(Exception, match=r"send_counts .* must be non-negative and sum"):
+            jax.block_until_ready(comm.alltoallv(x, counts, capacity=comm.size))
+    else:
+        _, got = comm.alltoallv(x, counts, capacity=comm.size)
+        # The failing rank sent nothing.
+        assert int(got[comm.size - 1]) == 0
+    comm.barrier()
+
+
+def test_checking_mode_names_recv_counts_that_do_not_match(comm):
+    checking = JaxComm(comm.mpi, check=True)
+    counts = [1] * comm.size
+    wrong = np.ones(comm.size, np.int32)
+    wrong[0] += comm.rank == 0  # rank 0 expects one row too many from rank 0
+    x = jnp.asarray(rank_data(comm.rank, (comm.size, 2)))
+    message = "recv_counts .* but the other ranks send" if comm.rank == 0 else "another rank"
+    with pytest.raises(Exception, match=message):
+        jax.block_until_ready(checking.alltoallv(x, counts, capacity=comm.size, recv_counts=wrong))
+    checking.free()
+
+
+def test_bad_arguments_are_named(comm):
+    x = jnp.zeros((comm.size, 2))
+    with pytest.raises(TypeError, match=r"alltoallv: send_counts must be an integer array"):
+        comm.alltoallv(x, np.ones(comm.size + 1, np.int32), capacity=2)
+    with pytest.raises(TypeError, match=r"alltoallv: send_counts must be an integer array"):
+        comm.alltoallv(x, np.ones(comm.size), capacity=2)
+    with pytest.raises(ValueError, match=r"alltoallv: capacity=-1 must be at least 0"):
+        comm.alltoallv(x, [1] * comm.size, capacity=-1)
+    with pytest.raises(TypeError, match=r"alltoallv: capacity must be a Python int"):
+        jax.jit(lambda c: comm.alltoallv(x, [1] * comm.size, capacity=c))(3)
+    with pytest.raises(ValueError, match=r"alltoallv: x must have a leading axis"):
+        comm.alltoallv(jnp.float32(1), [1] * comm.size, capacity=2)
+
+
+def loss_weights(capacity):
+    return 1.0 + jnp.arange(capacity * 2, dtype=jnp.float32).reshape(capacity, 2) / 7
+
+
+def test_grad_sends_each_row_back_where_it_came_from(comm):
+    """d/dx sum(y * w): each row of x gets the weights of the row it became."""
+    counts = skewed(comm.rank, comm.size)
+    capacity = capacity_for(comm.size, skewed)
+    x = jnp.asarray(rows_of(comm.rank, counts))
+    w = loss_weights(capacity) * (comm.rank + 1)
+
+    def loss(x):
+        return jnp.sum(comm.alltoallv(x, counts, capacity=capacity)[0] * w)
+
+    grad = jax.jit(jax.grad(loss))(x)
+    want = np.zeros(x.shape, np.float32)
+    for dest in range(comm.size):
+        theirs = [skewed(s, comm.size)[dest] for s in range(comm.size)]
+        where = sum(theirs[: comm.rank])  # where my rows land on dest
+        start = sum(counts[:dest])
+        w_dest = np.asarray(loss_weights(capacity)) * (dest + 1)
+        want[start : start + counts[dest]] = w_dest[where : where + counts[dest]]
+    assert_values(grad, want)
+    assert_values(jax.grad(loss)(x), want)
+
+
+def test_jvp_and_vmap(comm):
+    counts = uniform(comm.rank, comm.size)
+    capacity = capacity_for(comm.size, uniform)
+    fn = lambda x: comm.alltoallv(x, counts, capacity=capacity)[0]  # noqa: E731
+    x = jnp.asarray(rows_of(comm.rank, counts))
+    t = jnp.asarray(rows_of(comm.rank + 7, counts))
+    y, dy = jax.jvp(fn, (x,), (t,))
+    assert_values(y, fn(x))
+    assert_values(dy, fn(t))  # linear: the tangent moves as x does
+    batch = jnp.stack([x, 2 * x, t])
+    assert_values(jax.vmap(fn)(batch), jnp.stack([fn(x), fn(2 * x), fn(t)]))
+    # Counts that differ across the batch.
+    others = np.array([counts, [1] * comm.size, [0] * comm.size], np.int32)
+    batched = jax.vmap(lambda x, c: comm.alltoallv(x, c, capacity=capacity))(batch, others)
+    for b in range(3):
+        want = comm.alltoallv(batch[b], others[b], capacity=capacity)
+        assert_values(batched[0][b], want[0])
+        assert_values(batched[1][b], want[1])
+
+
+def test_linear_transpose_learns_the_counts(comm):
+    counts = skewed(comm.rank, comm.size)
+    capacity = capacity_for(comm.size, skewed)
+    x = jnp.asarray(rows_of(comm.rank, counts))
+    fn = lambda x: comm.alltoallv(x, counts, capacity=capacity)[0]  # noqa: E731
+    (back,) = jax.linear_transpose(fn, x)(fn(x))
+    want = np.asarray(x).copy()
+    want[sum(counts) :] = 0  # the spare row was not sent
+    assert_values(back, want)
+
+
+def test_module_function_and_mpi4py_comm(comm):
+    import jaxcomm
+
+    counts = uniform(comm.rank, comm.size)
+    y, _ = jaxcomm.alltoallv(
+        jnp.asarray(rows_of(comm.rank, counts)), counts, capacity=2 * comm.size, comm=MPI.COMM_WORLD
+    )
+    assert_values(y, expected(comm.rank, comm.size, uniform, 2 * comm.size)[0])
