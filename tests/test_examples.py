@@ -161,3 +161,34 @@ def test_data_parallel_mlp_buckets_train_the_same():
         for flags in ([], ["--buckets"])
     ]
     assert runs[1] == runs[0], runs
+
+
+SMALL_PARTICLES = ["--particles", "600", "--steps", "40"]
+
+
+@pytest.fixture(scope="module")
+def particles_1_rank(tmp_path_factory):
+    path = tmp_path_factory.mktemp("particles") / "1.npy"
+    run_example("particles.py", 1, *SMALL_PARTICLES, "--save", str(path))
+    return np.load(path)
+
+
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_particles_migrate_as_on_one_rank(particles_1_rank, tmp_path, nprocs):
+    """Every particle arrives once (the program checks), and the motion is the
+    same as on one rank up to the order of the force's sum."""
+    path = tmp_path / f"{nprocs}.npy"
+    outputs = run_example("particles.py", nprocs, *SMALL_PARTICLES, "--save", str(path))
+    found = re.match(
+        rf"{nprocs} ranks, 600 particles, 40 steps: (\d+) migrations, none lost, "
+        r"momentum drift [\d.e+-]+, [\d.]+ steps/s",
+        outputs[0],
+    )
+    assert found and int(found.group(1)) > 0, outputs[0]
+    np.testing.assert_allclose(np.load(path), particles_1_rank, atol=1e-5)
+
+
+def test_particles_plot(tmp_path):
+    png = tmp_path / "particles.png"
+    run_example("particles.py", 2, "--particles", "200", "--steps", "5", "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
