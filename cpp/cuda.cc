@@ -271,10 +271,12 @@ constexpr bool kAmong = (kSame<Function, Functions> || ...);
 // Which pointers a CUDA-aware call hands to MPI, by host function: device
 // pointers, but host copies for half-float reductions (jaxcomm's own MPI
 // operators reduce those, on the host) and for the functions that read their
-// buffers on the host (alltoallv its counts).
+// buffers on the host (the variable-size exchanges their counts).
 template <auto Function>
 constexpr Pointers kPointers =
-    kAmong<Function, &mpi::CheckReplicated, &mpi::TaggedSendrecv, &mpi::Alltoallv> ? Pointers::kHost
+    kAmong<Function, &mpi::CheckReplicated, &mpi::TaggedSendrecv, &mpi::Alltoallv, &mpi::Allgatherv,
+           &mpi::Gatherv, &mpi::Scatterv>
+        ? Pointers::kHost
     : kAmong<Function, &mpi::Allreduce, &mpi::Reduce, &mpi::Scan, &mpi::Exscan, &mpi::ReduceScatter>
         ? Pointers::kDeviceUnlessHalfFloat
         : Pointers::kDevice;

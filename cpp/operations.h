@@ -1,9 +1,9 @@
 // jaxcomm's operations: the host-memory functions (one file per family, named
-// as jaxcomm's Python modules are: reductions.cc, collectives.cc, p2p.cc,
-// nonblocking.cc, replicated.cc), their XLA FFI bindings and the one table of targets that
-// both backends register from. The CPU backend (cpu.cc) binds the
-// functions directly; the CUDA backend (cuda.cc) binds them behind staging,
-// with XLA's CUDA stream as an extra context argument.
+// as jaxcomm's Python modules are: reductions.cc, collectives.cc,
+// variable_size.cc, p2p.cc, nonblocking.cc, replicated.cc), their XLA FFI bindings and the one
+// table of targets that both backends register from. The CPU backend (cpu.cc) binds the functions
+// directly; the CUDA backend (cuda.cc) binds them behind staging, with XLA's CUDA stream as an
+// extra context argument.
 #ifndef JAXCOMM_OPERATIONS_H_
 #define JAXCOMM_OPERATIONS_H_
 
@@ -38,11 +38,21 @@ ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm, bool chec
 ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
 ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check, int32_t root);
 ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
-// x's rows to each rank, send_counts[i] (int32[size]) of them to rank i; out
-// takes the rows received, by source in rank order, then zeros. recv_counts
-// (int32[size]) is given_counts, or with `exchange` the counts the other ranks send.
+// The variable-size exchanges (variable_size.cc) move rows of x (its leading
+// axis); out takes the rows received, in rank order, then zeros. The counts
+// received are given (int32 buffers), or with `exchange` learnt from the senders.
+// alltoallv: send_counts[i] (int32[size]) rows to rank i; recv_counts int32[size].
 ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut, Result out,
                      Result recv_counts, int64_t comm, bool check, int32_t exchange);
+// allgatherv: `count` (int32[]) rows from every rank to every rank; counts int32[size].
+ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
+                      Result counts, int64_t comm, bool check, int32_t exchange);
+// gatherv: `count` rows from every rank to root; counts int32[size] (on root).
+ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
+                   Result counts, int64_t comm, bool check, int32_t root, int32_t exchange);
+// scatterv: root's counts[i] (int32[size]) rows to rank i; count int32[].
+ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut, Result out,
+                    Result count, int64_t comm, bool check, int32_t root, int32_t exchange);
 ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm, bool check, int32_t dest, int32_t tag);
 // A receive's template gives its result's shape and dtype when traced, so XLA
 // does not pass it (a template made for the call would cost a kernel filling it).
@@ -123,46 +133,55 @@ auto no_input(Binding&& base) {
   return with_comm(returning<Results...>(std::move(inputs)));
 }
 
+// token, x, counts, given counts -> token, result, counts, with the
+// communicator's attributes: the variable-size exchanges.
+template <typename Binding>
+auto variable_size(Binding&& base) {
+  return with_comm(std::forward<Binding>(base)
+                       .template Arg<mpi::Token>()
+                       .template Arg<mpi::Buffer>()
+                       .template Arg<mpi::Buffer>()
+                       .template Arg<mpi::Buffer>()
+                       .template Ret<mpi::Token>()
+                       .template Ret<mpi::Buffer>()
+                       .template Ret<mpi::Buffer>());
+}
+
 // X(name, function, binding, attributes) for every operation: the FFI target is
 // "jaxcomm_<name>" on every platform. `attributes` lists the operation's own
 // attributes, after "comm" and "check", as A(type, name) in binding order; the
 // caller's A makes them `.Attr<type>("name")` to complete the binding
 // (JAXCOMM_BIND_ATTRIBUTE) or lists their names (the Python side derives its
 // primitives' attributes, and the eager path their order, from these).
-#define JAXCOMM_OPERATIONS(X, base, A)                                             \
-  X(allreduce, Allreduce, one_input<mpi::Buffer>(base), A(int32_t, op))            \
-  X(reduce, Reduce, one_input<mpi::Buffer>(base), A(int32_t, op) A(int32_t, root)) \
-  X(scan, Scan, one_input<mpi::Buffer>(base), A(int32_t, op))                      \
-  X(exscan, Exscan, one_input<mpi::Buffer>(base), A(int32_t, op))                  \
-  X(reduce_scatter, ReduceScatter, one_input<mpi::Buffer>(base), A(int32_t, op))   \
-  X(bcast, Bcast, one_input<mpi::Buffer>(base), A(int32_t, root))                  \
-  X(gather, Gather, one_input<mpi::Buffer>(base), A(int32_t, root))                \
-  X(allgather, Allgather, one_input<mpi::Buffer>(base), )                          \
-  X(scatter, Scatter, one_input<mpi::Buffer>(base), A(int32_t, root))              \
-  X(alltoall, Alltoall, one_input<mpi::Buffer>(base), )                            \
-  X(alltoallv, Alltoallv,                                                          \
-    with_comm(base.Arg<mpi::Token>()                                               \
-                  .Arg<mpi::Buffer>()                                              \
-                  .Arg<mpi::Buffer>()                                              \
-                  .Arg<mpi::Buffer>()                                              \
-                  .Ret<mpi::Token>()                                               \
-                  .Ret<mpi::Buffer>()                                              \
-                  .Ret<mpi::Buffer>()),                                            \
-    A(int32_t, exchange))                                                          \
-  X(send, Send, one_input<>(base), A(int32_t, dest) A(int32_t, tag))               \
-  X(recv, Recv, (no_input<mpi::Buffer, mpi::StatusBuffer>(base)),                  \
-    A(int32_t, source) A(int32_t, tag))                                            \
-  X(sendrecv, Sendrecv, (one_input<mpi::Buffer, mpi::StatusBuffer>(base)),         \
-    A(int32_t, source) A(int32_t, dest) A(int32_t, sendtag) A(int32_t, recvtag))   \
-  X(tagged_sendrecv, TaggedSendrecv,                                               \
-    with_comm(base.Arg<mpi::Token>()                                               \
-                  .Arg<mpi::Buffer>()                                              \
-                  .Arg<mpi::Buffer>()                                              \
-                  .Ret<mpi::Token>()                                               \
-                  .Ret<mpi::Buffer>()                                              \
-                  .Ret<mpi::StatusBuffer>()),                                      \
-    A(int32_t, source) A(int32_t, dest))                                           \
-  X(barrier, Barrier, with_comm(base.Arg<mpi::Token>().Ret<mpi::Token>()), )       \
+#define JAXCOMM_OPERATIONS(X, base, A)                                              \
+  X(allreduce, Allreduce, one_input<mpi::Buffer>(base), A(int32_t, op))             \
+  X(reduce, Reduce, one_input<mpi::Buffer>(base), A(int32_t, op) A(int32_t, root))  \
+  X(scan, Scan, one_input<mpi::Buffer>(base), A(int32_t, op))                       \
+  X(exscan, Exscan, one_input<mpi::Buffer>(base), A(int32_t, op))                   \
+  X(reduce_scatter, ReduceScatter, one_input<mpi::Buffer>(base), A(int32_t, op))    \
+  X(bcast, Bcast, one_input<mpi::Buffer>(base), A(int32_t, root))                   \
+  X(gather, Gather, one_input<mpi::Buffer>(base), A(int32_t, root))                 \
+  X(allgather, Allgather, one_input<mpi::Buffer>(base), )                           \
+  X(scatter, Scatter, one_input<mpi::Buffer>(base), A(int32_t, root))               \
+  X(alltoall, Alltoall, one_input<mpi::Buffer>(base), )                             \
+  X(alltoallv, Alltoallv, variable_size(base), A(int32_t, exchange))                \
+  X(allgatherv, Allgatherv, variable_size(base), A(int32_t, exchange))              \
+  X(gatherv, Gatherv, variable_size(base), A(int32_t, root) A(int32_t, exchange))   \
+  X(scatterv, Scatterv, variable_size(base), A(int32_t, root) A(int32_t, exchange)) \
+  X(send, Send, one_input<>(base), A(int32_t, dest) A(int32_t, tag))                \
+  X(recv, Recv, (no_input<mpi::Buffer, mpi::StatusBuffer>(base)),                   \
+    A(int32_t, source) A(int32_t, tag))                                             \
+  X(sendrecv, Sendrecv, (one_input<mpi::Buffer, mpi::StatusBuffer>(base)),          \
+    A(int32_t, source) A(int32_t, dest) A(int32_t, sendtag) A(int32_t, recvtag))    \
+  X(tagged_sendrecv, TaggedSendrecv,                                                \
+    with_comm(base.Arg<mpi::Token>()                                                \
+                  .Arg<mpi::Buffer>()                                               \
+                  .Arg<mpi::Buffer>()                                               \
+                  .Ret<mpi::Token>()                                                \
+                  .Ret<mpi::Buffer>()                                               \
+                  .Ret<mpi::StatusBuffer>()),                                       \
+    A(int32_t, source) A(int32_t, dest))                                            \
+  X(barrier, Barrier, with_comm(base.Arg<mpi::Token>().Ret<mpi::Token>()), )        \
   X(check_replicated, CheckReplicated, one_input<mpi::Buffer>(base), A(std::string_view, operation))
 
 #define JAXCOMM_BIND_ATTRIBUTE(type, name) .Attr<type>(#name)

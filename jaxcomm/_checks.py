@@ -85,15 +85,16 @@ def capacity(operation: str, name: str, value: Any, size: int) -> int:
     return rows
 
 
-def counts(operation: str, name: str, value: Any, size: int) -> Any:
-    """An integer array of one count per rank, as int32: a jax.Array (it may be
-    traced) stays one; anything else becomes a NumPy array, which an eager call
-    reads in place."""
+def counts(operation: str, name: str, value: Any, size: int | None) -> Any:
+    """Integer counts as int32: one per rank (shape (size,)), or with size None
+    one scalar. A jax.Array (it may be traced) stays one; anything else becomes a
+    NumPy array, which an eager call reads in place."""
     counts = value if isinstance(value, jax.Array) else np.asarray(value)
-    if not jnp.issubdtype(counts.dtype, jnp.integer) or counts.shape != (size,):
+    shape = () if size is None else (size,)
+    if not jnp.issubdtype(counts.dtype, jnp.integer) or counts.shape != shape:
+        what = "an integer scalar" if size is None else f"integers of shape ({size},), one per rank"
         raise TypeError(
-            f"{operation}: {name} must be an integer array of shape ({size},) (one count "
-            f"per rank), got {counts.dtype}{list(counts.shape)}"
+            f"{operation}: {name} must be {what}, got {counts.dtype}{list(counts.shape)}"
         )
     return counts if counts.dtype == np.int32 else counts.astype(np.int32)
 

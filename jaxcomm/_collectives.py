@@ -1,19 +1,13 @@
-"""Data-movement collectives: bcast, gather, allgather, scatter, alltoall,
-alltoallv, and barrier.
+"""Data-movement collectives: bcast, gather, allgather, scatter, alltoall, and barrier.
 
 bcast and allgather give every rank the same result: one replicated value, whose
 cotangent is expected to be replicated (checked in checking mode). gather,
-scatter, alltoall and alltoallv have rank-dependent results and exact adjoints.
-alltoallv's counts are operands (they may be traced) and carry no tangent; only
-its result's capacity is static.
+scatter and alltoall have rank-dependent results and exact adjoints.
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-import numpy as np
 from jax import core
-from jax.interpreters import ad
 
 from jaxcomm._checks import ROOT
 from jaxcomm._primitive import CommInfo, asked_in_place, comm_primitive, same_shape
@@ -21,12 +15,10 @@ from jaxcomm._replicated import pvary, replicated_cotangent
 from jaxcomm._rules import (
     batch_elementwise,
     define_rules,
-    differentiable,
     instantiate,
     linear_jvp,
     move_batch,
     on_rank,
-    zero_tangent,
 )
 
 
@@ -67,16 +59,6 @@ alltoall_p = comm_primitive("alltoall", same_shape, aliases=asked_in_place, lead
 barrier_p = comm_primitive("barrier", lambda **_: [])
 
 
-def _alltoallv_shape(x, send_counts, recv_counts, *, comm: CommInfo, capacity: int, exchange):
-    rows = core.ShapedArray((capacity, *x.shape[1:]), x.dtype)
-    return [rows, core.ShapedArray((comm.size,), np.int32)]
-
-
-# The received counts come back as a result: given (recv_counts), or exchanged by
-# the same call (`exchange`), they are what a transpose sends back.
-alltoallv_p = comm_primitive("alltoallv", _alltoallv_shape)
-
-
 def bcast(x, *, comm: CommInfo, root: int):
     """Root's x on every rank. Shape: x.shape."""
     return bcast_p.bind(x, comm=comm, root=root)[0]
@@ -100,14 +82,6 @@ def scatter(x, *, comm: CommInfo, root: int):
 def alltoall(x, *, comm: CommInfo, in_place: bool = False):
     """Row i of the result is rank i's row `rank`. x: (size, *s), result (size, *s)."""
     return alltoall_p.bind(x, comm=comm, in_place=in_place)[0]
-
-
-def alltoallv(x, send_counts, recv_counts, *, comm: CommInfo, capacity: int, exchange: bool):
-    """x's rows, send_counts[i] of them to rank i, and the counts received (from
-    recv_counts, or exchanged). x: (n, *s); results (capacity, *s) and int32 (size,)."""
-    return alltoallv_p.bind(
-        x, send_counts, recv_counts, comm=comm, capacity=capacity, exchange=exchange
-    )
 
 
 # -- transposes ------------------------------------------------------------------------
@@ -139,27 +113,6 @@ def _alltoall_transpose(cts, x, *, comm, in_place=False):
     return [alltoall(instantiate(cts[0]), comm=comm, in_place=in_place)]
 
 
-def _alltoallv_jvp(primals, tangents, *, comm, capacity, exchange):
-    x, send, recv = primals
-    y, got = alltoallv(x, send, recv, comm=comm, capacity=capacity, exchange=exchange)
-    if not differentiable(x):  # x's dtype is the same on every rank
-        return [y, got], [zero_tangent(y), zero_tangent(got)]
-    # The tangent's rows travel as x's did: the counts are known now, not exchanged.
-    dy, _ = alltoallv(
-        instantiate(tangents[0]), send, got, comm=comm, capacity=capacity, exchange=False
-    )
-    return [y, got], [dy, zero_tangent(got)]
-
-
-def _alltoallv_transpose(cts, x, send, recv, *, comm, capacity, exchange):
-    # Each row goes back where it came from: the counts swap, x's rows are capacity.
-    if exchange:  # transposed as written (jax.linear_transpose): learn what arrived
-        recv = alltoall(send.reshape(comm.size, 1), comm=comm)[:, 0]
-    rows = x.aval.shape[0] if ad.is_undefined_primal(x) else x.shape[0]
-    back, _ = alltoallv(instantiate(cts[0]), recv, send, comm=comm, capacity=rows, exchange=False)
-    return [back, None, None]
-
-
 # -- batching: a rank axis stays leading so each rank's rows are contiguous -------------
 
 
@@ -183,25 +136,6 @@ def _alltoall_batch(args, dims, *, comm, in_place=False):
     (x,), (dim,) = args, dims
     return alltoall_p.bind(move_batch(x, dim, 1), comm=comm, in_place=in_place), [1]
 
-
-def _alltoallv_batch(args, dims, *, comm, capacity, exchange):
-    (x, send, recv), (dx, dsend, drecv) = args, dims
-    params = {"comm": comm, "capacity": capacity, "exchange": exchange}
-    if dsend is None and drecv is None:  # one call: a row is the batch of x's rows
-        return alltoallv(move_batch(x, dx, 1), send, recv, **params), [1, None]
-    # Counts that differ across the batch: one call per member.
-    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-    member = lambda a, d, b: a if d is None else jnp.take(a, b, axis=d)  # noqa: E731
-    outs = [
-        alltoallv(member(x, dx, b), member(send, dsend, b), member(recv, drecv, b), **params)
-        for b in range(size)
-    ]
-    return [jnp.stack([out[i] for out in outs]) for i in range(2)], [0, 0]
-
-
-define_rules(
-    alltoallv_p, jvp=_alltoallv_jvp, transpose=_alltoallv_transpose, batch=_alltoallv_batch
-)
 
 for _primitive, _transpose, _batch in [
     (bcast_p, _bcast_transpose, batch_elementwise(bcast_p)),

@@ -25,6 +25,7 @@ from jaxcomm import (
     _replicated,
     _requests,
     _settings,
+    _variable_size,
     topology,
 )
 from jaxcomm._primitive import CommInfo, CommPrimitive
@@ -291,6 +292,26 @@ class JaxComm:
         and of a copy where x is still used afterwards."""
         return self._apply(_collectives.alltoall_p, x, in_place=in_place)[0]
 
+    def _variable_size(
+        self, primitive: CommPrimitive, x: Any, counts: dict[str, Any], **params: Any
+    ) -> tuple[jax.Array, jax.Array]:
+        """A variable-size exchange of x's rows (jaxcomm._variable_size), its count
+        operands by name in order: all checked, then run."""
+        comm, operation = self._comm, primitive.operation
+        (x,) = _checks.arrays(operation, [x])
+        if x.ndim == 0:
+            raise ValueError(f"{operation}: x must have a leading axis of rows, got shape ()")
+        params["capacity"] = _checks.capacity(operation, "capacity", params["capacity"], 0)
+        if "root" in params:
+            params["root"] = _checks.ROOT(operation, "root", params["root"], comm.size)
+        # "count" is one integer; the others one per rank.
+        operands = [
+            _checks.counts(operation, name, value, None if name == "count" else comm.size)
+            for name, value in counts.items()
+        ]
+        y, received = _dispatch.apply_to_arrays(primitive, [x, *operands], comm, params)
+        return y, received
+
     def alltoallv(
         self,
         x: jax.Array,
@@ -313,21 +334,77 @@ class JaxComm:
         is an error on that rank, which keeps none of them; the other ranks get
         their rows.
         """
-        comm, operation = self._comm, "alltoallv"
-        (x,) = _checks.arrays(operation, [x])
-        if x.ndim == 0:
-            raise ValueError(f"{operation}: x must have a leading axis of rows, got shape ()")
-        params = {
-            "capacity": _checks.capacity(operation, "capacity", capacity, comm.size),
-            "exchange": recv_counts is None,
-        }
-        send = _checks.counts(operation, "send_counts", send_counts, comm.size)
-        recv = _no_counts(comm.size) if recv_counts is None else recv_counts
-        recv = _checks.counts(operation, "recv_counts", recv, comm.size)
-        y, counts = _dispatch.apply_to_arrays(
-            _collectives.alltoallv_p, [x, send, recv], comm, params
+        exchange = recv_counts is None
+        recv = _no_counts(self.size) if exchange else recv_counts
+        return self._variable_size(
+            _variable_size.alltoallv_p,
+            x,
+            {"send_counts": send_counts, "recv_counts": recv},
+            capacity=capacity,
+            exchange=exchange,
         )
-        return y, counts
+
+    def allgatherv(
+        self, x: jax.Array, *, capacity: int, count: ArrayLike | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """Every rank's first ``count`` rows of x (default all), on every rank.
+
+        x: ``(n, *s)``; count: an integer (traceable), at most n. Returns
+        ``(y, counts)``: y ``(capacity, *s)`` holds the rows of rank 0, then rank
+        1's, ..., then zeros; counts, int32 ``(size,)``, how many came from each
+        rank (one ``MPI_Allgather`` learns them). More rows than ``capacity`` is
+        an error on every rank.
+        """
+        own = np.int32(x.shape[0]) if count is None else count
+        return self._variable_size(
+            _variable_size.allgatherv_p,
+            x,
+            {"count": own, "counts": _no_counts(self.size)},
+            capacity=capacity,
+            exchange=True,
+        )
+
+    def gatherv(
+        self, x: jax.Array, root: int = 0, *, capacity: int, count: ArrayLike | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """Every rank's first ``count`` rows of x (default all), on root.
+
+        x: ``(n, *s)``; count: an integer (traceable), at most n. Returns
+        ``(y, counts)``: on root, y ``(capacity, *s)`` holds the rows of rank 0,
+        then rank 1's, ..., then zeros, and counts (int32 ``(size,)``) how many
+        came from each rank; on the other ranks y is ``(0, *s)`` and counts holds
+        only their own count. More rows than ``capacity`` is an error on root.
+        """
+        own = np.int32(x.shape[0]) if count is None else count
+        return self._variable_size(
+            _variable_size.gatherv_p,
+            x,
+            {"count": own, "counts": _no_counts(self.size)},
+            root=root,
+            capacity=capacity,
+            exchange=True,
+        )
+
+    def scatterv(
+        self, x: jax.Array, counts: ArrayLike | None, root: int = 0, *, capacity: int
+    ) -> tuple[jax.Array, jax.Array]:
+        """Root's rows of x, ``counts[i]`` of them to rank i (traceable).
+
+        On root, x ``(n, *s)`` holds the rows grouped by destination and counts
+        is integers ``(size,)``; the other ranks pass an x with rows of shape s
+        (its values are not read) and counts None. Returns ``(y, count)``: y
+        ``(capacity, *s)`` holds this rank's rows, then zeros; count (int32) how
+        many. More rows than ``capacity`` is an error on that rank.
+        """
+        sending = _no_counts(self.size) if counts is None else counts
+        return self._variable_size(
+            _variable_size.scatterv_p,
+            x,
+            {"counts": sending, "count": np.int32(0)},
+            root=root,
+            capacity=capacity,
+            exchange=True,
+        )
 
     def send(self: Self, x: PyTree, dest: int, tag: int = 0) -> Self:
         """Send x to rank dest (blocking until MPI may reuse the buffer). Returns self."""

@@ -173,3 +173,27 @@ def test_alltoallv(comm, row, mode):
     want[: len(rows)] = rows
     assert_values(y, want)
     assert_values(got, np.array([sent_by(s)[comm.rank] for s in range(comm.size)], np.int32))
+
+
+@pytest.mark.parametrize("row", [3, (1 << 16) + 7])
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_allgatherv_gatherv_scatterv(comm, row, mode):
+    """Rank r contributes r % 3 rows; the root scatters them back."""
+    root = comm.size // 2
+    counts = np.array([r % 3 for r in range(comm.size)], np.int32)
+    capacity = int(counts.sum())
+    mine = rank_data(comm.rank, (int(counts[comm.rank]), row))
+
+    def exchanges(x):
+        everyone, _ = comm.allgatherv(x, capacity=capacity)
+        at_root, _ = comm.gatherv(x, root, capacity=capacity)
+        sent = counts if comm.rank == root else None
+        back, _ = comm.scatterv(at_root if comm.rank == root else x, sent, root, capacity=2)
+        return everyone, back
+
+    everyone, back = compiled(exchanges, mode)(jnp.asarray(mine))
+    all_rows = np.concatenate([rank_data(r, (int(counts[r]), row)) for r in range(comm.size)])
+    assert_values(everyone, all_rows.reshape(capacity, row))
+    want = np.zeros((2, row), np.float32)
+    want[: len(mine)] = mine
+    assert_values(back, want)

@@ -1,0 +1,310 @@
+// The variable-size exchanges on host memory: alltoallv, allgatherv, gatherv and
+// scatterv, each MPI's own function on rows of x (its elements past the leading
+// axis), with a static capacity of rows for the result. The counts are int32
+// buffers, so they may change from call to call; unless the caller gives them
+// (`exchange` 0, as the AD rules do), one small collective of the counts comes
+// first. Checking mode compares given counts with the exchanged ones on every
+// rank at once.
+//
+// Every rank takes part in the data exchange whatever its own counts are, so that
+// no rank waits for another: a rank whose counts are invalid sends no rows, and a
+// rank whose incoming rows exceed its capacity receives them into a scratch
+// buffer; each then returns an error that names its counts. Rows of the result
+// past those received are zeros.
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "call.h"
+#include "datatypes.h"
+#include "jaxcomm/jaxcomm.h"
+#include "memory.h"
+#include "operations.h"
+#include "started.h"
+
+namespace jaxcomm::mpi {
+namespace {
+
+std::string counts_text(const std::vector<int>& counts) {
+  std::string text = "[";
+  for (size_t i = 0; i < counts.size(); ++i) text += (i ? ", " : "") + std::to_string(counts[i]);
+  return text + "]";
+}
+
+// Exclusive prefix sums: where each rank's rows start.
+std::vector<int> displacements(const std::vector<int>& counts) {
+  std::vector<int> starts(counts.size(), 0);
+  for (size_t i = 1; i < counts.size(); ++i) starts[i] = starts[i - 1] + counts[i - 1];
+  return starts;
+}
+
+int64_t sum(const std::vector<int>& counts) {
+  int64_t total = 0;
+  for (int c : counts) total += c;
+  return total;
+}
+
+std::vector<int> int32s(const Buffer& b, size_t n) {
+  const int32_t* data = static_cast<const int32_t*>(b.untyped_data());
+  return std::vector<int>(data, data + n);
+}
+
+// x's rows: the MPI datatype of one row (so that counts and displacements count
+// rows), how many x has, and where `out` is; what every variable-size exchange
+// starts with. Checking mode agrees on the dtype, the row's size and the params.
+class Rows {
+ public:
+  Rows(Call& call, const Buffer& x, Result& out) : call_(call), out_(out) {
+    const auto dims = x.dimensions();
+    if (dims.size() == 0) {
+      error_ = invalid_argument(call.operation(), "x needs a leading axis of rows");
+      return;
+    }
+    int64_t elements = 1;
+    for (size_t i = 1; i < dims.size(); ++i) elements *= dims[i];
+    if (elements > kMaxCount) {
+      error_ = invalid_argument(call.operation(), "rows of more than 2^31 - 1 elements");
+      return;
+    }
+    rows_ = dims[0];
+    bytes_ = elements * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
+    call.param("dtype", static_cast<int64_t>(x.element_type())).param("row", elements);
+    auto [error, comm, type] = start(call, x);
+    error_ = std::move(error);
+    comm_ = comm;
+    if (error_.failure()) return;
+    MPI_Type_contiguous(static_cast<int>(elements), type, &row_);
+    MPI_Type_commit(&row_);
+  }
+  ~Rows() {
+    if (row_ != MPI_DATATYPE_NULL) MPI_Type_free(&row_);
+  }
+  Rows(const Rows&) = delete;
+  Rows& operator=(const Rows&) = delete;
+
+  ffi::Error take_error() { return std::move(error_); }
+  MPI_Comm comm() const { return comm_; }
+  MPI_Datatype type() const { return row_; }
+  int64_t rows() const { return rows_; }
+
+  // Checking mode: whether any rank's given counts differ from what the others
+  // send it, learnt by every rank before the exchange could wait for rows that
+  // never come. `given` (the argument `name`) and `sent` describe this rank's
+  // for the error.
+  ffi::Error agree(bool differ, const char* name, const std::string& given,
+                   const std::string& sent) {
+    int any = differ ? 1 : 0;
+    JAXCOMM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &any, 1, MPI_INT, MPI_MAX, comm_),
+                      call_.operation(), comm_);
+    if (!any) return ffi::Error::Success();
+    return ffi::Error(
+        ffi::ErrorCode::kFailedPrecondition,
+        "jaxcomm check: " + std::string(call_.operation()) + " on rank " +
+            std::to_string(comm_rank(comm_)) +
+            (differ ? ": " + std::string(name) + "=" + given + " but the ranks send " + sent
+                    : ": another rank's " + std::string(name) + " differ from what is sent"));
+  }
+
+  // Where `total` incoming rows go: out, or a scratch buffer if they overflow it.
+  char* destination(int64_t total) {
+    if (total <= capacity()) return bytes(out_);
+    scratch_.resize(static_cast<size_t>(total * bytes_));
+    return scratch_.data();
+  }
+
+  // Zeros out's rows past the `total` received (all of them after an overflow);
+  // then the error of an overflow, naming `counts`.
+  ffi::Error finish(int64_t total, const std::string& counts) {
+    const int64_t kept = total <= capacity() ? total : 0;
+    static const char nothing = 0;
+    memory().fill(bytes(out_) + kept * bytes_, &nothing, 1, (capacity() - kept) * bytes_);
+    if (total <= capacity()) return ffi::Error::Success();
+    return invalid_argument(
+        call_.operation(), "the counts received " + counts + " add up to " + std::to_string(total) +
+                               " rows, more than capacity=" + std::to_string(capacity()) +
+                               " (the rows were not kept)");
+  }
+
+  // The error of a rank whose own counts (the argument `name`) were invalid: it
+  // sent no rows.
+  ffi::Error bad_counts(const char* name, const std::string& counts) const {
+    return invalid_argument(call_.operation(),
+                            std::string(name) + "=" + counts +
+                                " must be non-negative and add up to at most x's " +
+                                std::to_string(rows_) + " rows (this rank sent none)");
+  }
+
+ private:
+  int64_t capacity() const { return out_->dimensions()[0]; }
+
+  Call& call_;
+  Result& out_;
+  ffi::Error error_ = ffi::Error::Success();
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Datatype row_ = MPI_DATATYPE_NULL;
+  int64_t rows_ = 0, bytes_ = 0;
+  std::vector<char> scratch_;
+};
+
+// Counts that a rank may send from x's `rows`: none negative, their sum within.
+bool valid(const std::vector<int>& counts, int64_t rows) {
+  return std::all_of(counts.begin(), counts.end(), [](int c) { return c >= 0; }) &&
+         sum(counts) <= rows;
+}
+
+void write_counts(Result& to, const std::vector<int>& counts) {
+  const std::vector<int32_t> values(counts.begin(), counts.end());
+  memory().copy(to->untyped_data(), values.data(), values.size() * sizeof(int32_t));
+}
+
+}  // namespace
+
+ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut, Result out,
+                     Result recv_counts, int64_t comm_key, bool check, int32_t exchange) {
+  Call call(comm_key, check);
+  Rows rows(call, x, out);
+  if (auto err = rows.take_error(); err.failure()) return err;
+  MPI_Comm comm = rows.comm();
+  const int size = comm_size(comm);
+  const std::vector<int> asked = int32s(send_counts, size);
+  const bool bad = !valid(asked, rows.rows());
+  const std::vector<int> sending = bad ? std::vector<int>(size, 0) : asked;
+  std::vector<int> receiving(size, 0);
+  if (exchange || check)
+    JAXCOMM_CHECK_MPI(MPI_Alltoall(sending.data(), 1, MPI_INT, receiving.data(), 1, MPI_INT, comm),
+                      call.operation(), comm);
+  if (!exchange) {
+    const std::vector<int> given = int32s(given_counts, size);
+    if (check)
+      if (auto err = rows.agree(given != receiving, "recv_counts", counts_text(given),
+                                counts_text(receiving));
+          err.failure())
+        return err;
+    receiving = given;
+  }
+  const int64_t total = sum(receiving);
+  if (total > kMaxCount) return invalid_argument(call.operation(), "more than 2^31 - 1 rows");
+  JAXCOMM_CHECK_MPI(MPI_Alltoallv(x.untyped_data(), sending.data(), displacements(sending).data(),
+                                  rows.type(), rows.destination(total), receiving.data(),
+                                  displacements(receiving).data(), rows.type(), comm),
+                    call.operation(), comm);
+  write_counts(recv_counts, receiving);
+  if (auto err = rows.finish(total, counts_text(receiving)); err.failure()) return err;
+  return bad ? rows.bad_counts("send_counts", counts_text(asked)) : ffi::Error::Success();
+}
+
+ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
+                      Result counts_out, int64_t comm_key, bool check, int32_t exchange) {
+  Call call(comm_key, check);
+  Rows rows(call, x, out);
+  if (auto err = rows.take_error(); err.failure()) return err;
+  MPI_Comm comm = rows.comm();
+  const int size = comm_size(comm);
+  const int asked = int32s(count, 1)[0];
+  const bool bad = !valid({asked}, rows.rows());
+  int sending = bad ? 0 : asked;
+  std::vector<int> counts(size, 0);
+  if (exchange || check)
+    JAXCOMM_CHECK_MPI(MPI_Allgather(&sending, 1, MPI_INT, counts.data(), 1, MPI_INT, comm),
+                      call.operation(), comm);
+  if (!exchange) {
+    const std::vector<int> given = int32s(given_counts, size);
+    if (check)
+      if (auto err = rows.agree(given != counts, "counts", counts_text(given), counts_text(counts));
+          err.failure())
+        return err;
+    counts = given;
+  }
+  const int64_t total = sum(counts);
+  if (total > kMaxCount) return invalid_argument(call.operation(), "more than 2^31 - 1 rows");
+  JAXCOMM_CHECK_MPI(MPI_Allgatherv(x.untyped_data(), sending, rows.type(), rows.destination(total),
+                                   counts.data(), displacements(counts).data(), rows.type(), comm),
+                    call.operation(), comm);
+  write_counts(counts_out, counts);
+  if (auto err = rows.finish(total, counts_text(counts)); err.failure()) return err;
+  return bad ? rows.bad_counts("count", counts_text({asked})) : ffi::Error::Success();
+}
+
+// Only the root's counts are exchanged and checked: the other ranks' counts
+// output holds their own count at their rank and zeros elsewhere.
+ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
+                   Result counts_out, int64_t comm_key, bool check, int32_t root,
+                   int32_t exchange) {
+  Call call(comm_key, check);
+  call.param("root", root);
+  Rows rows(call, x, out);
+  if (auto err = rows.take_error(); err.failure()) return err;
+  MPI_Comm comm = rows.comm();
+  const int size = comm_size(comm), rank = comm_rank(comm);
+  const bool is_root = rank == root;
+  const int asked = int32s(count, 1)[0];
+  const bool bad = !valid({asked}, rows.rows());
+  int sending = bad ? 0 : asked;
+  std::vector<int> counts(size, 0);
+  if (exchange || check)
+    JAXCOMM_CHECK_MPI(MPI_Gather(&sending, 1, MPI_INT, counts.data(), 1, MPI_INT, root, comm),
+                      call.operation(), comm);
+  if (!exchange) {
+    if (check) {  // the root compares what was sent with what it was given
+      const std::vector<int> given = is_root ? int32s(given_counts, size) : counts;
+      if (auto err = rows.agree(is_root && given != counts, "counts", counts_text(given),
+                                counts_text(counts));
+          err.failure())
+        return err;
+    }
+    if (is_root) counts = int32s(given_counts, size);
+  }
+  const int64_t total = is_root ? sum(counts) : 0;
+  if (total > kMaxCount) return invalid_argument(call.operation(), "more than 2^31 - 1 rows");
+  char* into = rows.destination(total);
+  JAXCOMM_CHECK_MPI(MPI_Gatherv(x.untyped_data(), sending, rows.type(), into, counts.data(),
+                                displacements(counts).data(), rows.type(), root, comm),
+                    call.operation(), comm);
+  if (!is_root) {
+    counts.assign(size, 0);
+    counts[rank] = sending;
+  }
+  write_counts(counts_out, counts);
+  if (auto err = rows.finish(total, counts_text(counts)); err.failure()) return err;
+  return bad ? rows.bad_counts("count", counts_text({asked})) : ffi::Error::Success();
+}
+
+ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut, Result out,
+                    Result count_out, int64_t comm_key, bool check, int32_t root,
+                    int32_t exchange) {
+  Call call(comm_key, check);
+  call.param("root", root);
+  Rows rows(call, x, out);
+  if (auto err = rows.take_error(); err.failure()) return err;
+  MPI_Comm comm = rows.comm();
+  const int size = comm_size(comm);
+  const bool is_root = comm_rank(comm) == root;
+  const std::vector<int> asked = is_root ? int32s(counts, size) : std::vector<int>(size, 0);
+  const bool bad = is_root && !valid(asked, rows.rows());
+  const std::vector<int> sending = bad ? std::vector<int>(size, 0) : asked;
+  int receiving = 0;
+  if (exchange || check)
+    JAXCOMM_CHECK_MPI(MPI_Scatter(sending.data(), 1, MPI_INT, &receiving, 1, MPI_INT, root, comm),
+                      call.operation(), comm);
+  if (!exchange) {
+    const int given = int32s(given_count, 1)[0];
+    if (check)
+      if (auto err = rows.agree(given != receiving, "count", counts_text({given}),
+                                counts_text({receiving}));
+          err.failure())
+        return err;
+    receiving = given;
+  }
+  JAXCOMM_CHECK_MPI(
+      MPI_Scatterv(x.untyped_data(), sending.data(), displacements(sending).data(), rows.type(),
+                   rows.destination(receiving), receiving, rows.type(), root, comm),
+      call.operation(), comm);
+  write_counts(count_out, {receiving});
+  if (auto err = rows.finish(receiving, counts_text({receiving})); err.failure()) return err;
+  return bad ? rows.bad_counts("counts", counts_text(asked)) : ffi::Error::Success();
+}
+
+}  // namespace jaxcomm::mpi
