@@ -38,6 +38,12 @@ ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm, bool chec
 ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
 ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check, int32_t root);
 ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
+// On a Cartesian communicator, with its neighbours in MPI's order (along each
+// dimension the lower, then the upper one): neighbor_allgather gives every
+// neighbour's x, (2 * dims, *x.shape); neighbor_alltoall sends block k of x
+// (2 * dims, *s) to neighbour k. Blocks from beyond a non-periodic edge are zeros.
+ffi::Error NeighborAllgather(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
+ffi::Error NeighborAlltoall(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
 // The variable-size exchanges (variable_size.cc) move rows of x (its leading
 // axis); out takes the rows received, in rank order, then zeros. The counts
 // received are given (int32 buffers), or with `exchange` learnt from the senders.
@@ -164,6 +170,8 @@ auto variable_size(Binding&& base) {
   X(allgather, Allgather, one_input<mpi::Buffer>(base), )                           \
   X(scatter, Scatter, one_input<mpi::Buffer>(base), A(int32_t, root))               \
   X(alltoall, Alltoall, one_input<mpi::Buffer>(base), )                             \
+  X(neighbor_allgather, NeighborAllgather, one_input<mpi::Buffer>(base), )          \
+  X(neighbor_alltoall, NeighborAlltoall, one_input<mpi::Buffer>(base), )            \
   X(alltoallv, Alltoallv, variable_size(base), A(int32_t, exchange))                \
   X(allgatherv, Allgatherv, variable_size(base), A(int32_t, exchange))              \
   X(gatherv, Gatherv, variable_size(base), A(int32_t, root) A(int32_t, exchange))   \

@@ -1,4 +1,5 @@
-"""Data-movement collectives: bcast, gather, allgather, scatter, alltoall, and barrier.
+"""Data-movement collectives: bcast, gather, allgather, scatter, alltoall, barrier,
+and on a Cartesian grid neighbor_allgather and neighbor_alltoall.
 
 bcast and allgather give every rank the same result: one replicated value, whose
 cotangent is expected to be replicated (checked in checking mode). gather,
@@ -59,6 +60,15 @@ alltoall_p = comm_primitive("alltoall", same_shape, aliases=asked_in_place, lead
 barrier_p = comm_primitive("barrier", lambda **_: [])
 
 
+def _neighbor_blocks(x, *, comm: CommInfo, neighbors: int):
+    return [core.ShapedArray((neighbors, *x.shape), x.dtype)]
+
+
+# On a Cartesian communicator: a block per neighbour (MPI_Neighbor_*).
+neighbor_allgather_p = comm_primitive("neighbor_allgather", _neighbor_blocks)
+neighbor_alltoall_p = comm_primitive("neighbor_alltoall", same_shape)
+
+
 def bcast(x, *, comm: CommInfo, root: int):
     """Root's x on every rank. Shape: x.shape."""
     return bcast_p.bind(x, comm=comm, root=root)[0]
@@ -82,6 +92,11 @@ def scatter(x, *, comm: CommInfo, root: int):
 def alltoall(x, *, comm: CommInfo, in_place: bool = False):
     """Row i of the result is rank i's row `rank`. x: (size, *s), result (size, *s)."""
     return alltoall_p.bind(x, comm=comm, in_place=in_place)[0]
+
+
+def neighbor_alltoall(x, *, comm: CommInfo):
+    """Block k of x (2 * dims, *s) to neighbour k; block k of the result from it."""
+    return neighbor_alltoall_p.bind(x, comm=comm)[0]
 
 
 # -- transposes ------------------------------------------------------------------------
@@ -113,6 +128,16 @@ def _alltoall_transpose(cts, x, *, comm, in_place=False):
     return [alltoall(instantiate(cts[0]), comm=comm, in_place=in_place)]
 
 
+def _neighbor_allgather_transpose(cts, x, *, comm, neighbors):
+    # My x went to every neighbour, which keeps it where I keep theirs from it.
+    return [neighbor_alltoall(instantiate(cts[0]), comm=comm).sum(axis=0)]
+
+
+def _neighbor_alltoall_transpose(cts, x, *, comm):
+    # Each block goes back to the neighbour it came from, into the block it left.
+    return [neighbor_alltoall(instantiate(cts[0]), comm=comm)]
+
+
 # -- batching: a rank axis stays leading so each rank's rows are contiguous -------------
 
 
@@ -137,11 +162,23 @@ def _alltoall_batch(args, dims, *, comm, in_place=False):
     return alltoall_p.bind(move_batch(x, dim, 1), comm=comm, in_place=in_place), [1]
 
 
+def _neighbor_allgather_batch(args, dims, *, comm, neighbors):
+    (x,), (dim,) = args, dims
+    return neighbor_allgather_p.bind(x, comm=comm, neighbors=neighbors), [dim + 1]
+
+
+def _neighbor_alltoall_batch(args, dims, *, comm):
+    (x,), (dim,) = args, dims
+    return neighbor_alltoall_p.bind(move_batch(x, dim, 1), comm=comm), [1]
+
+
 for _primitive, _transpose, _batch in [
     (bcast_p, _bcast_transpose, batch_elementwise(bcast_p)),
     (gather_p, _gather_transpose, _gather_batch),
     (allgather_p, _allgather_transpose, _allgather_batch),
     (scatter_p, _scatter_transpose, _scatter_batch),
     (alltoall_p, _alltoall_transpose, _alltoall_batch),
+    (neighbor_allgather_p, _neighbor_allgather_transpose, _neighbor_allgather_batch),
+    (neighbor_alltoall_p, _neighbor_alltoall_transpose, _neighbor_alltoall_batch),
 ]:
     define_rules(_primitive, jvp=linear_jvp(_primitive), transpose=_transpose, batch=_batch)

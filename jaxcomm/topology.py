@@ -14,16 +14,19 @@ import jax.numpy as jnp
 from jax import lax
 from mpi4py import MPI
 
+from jaxcomm import _collectives
+
 PyTree = Any
 
 
 class Cartesian:
     """The methods of a communicator over an MPI Cartesian topology, for a class
-    that also derives from JaxComm (whose mpi, rank and sendrecv they use)."""
+    that also derives from JaxComm (whose mpi, rank, sendrecv and _apply they use)."""
 
     mpi: MPI.Cartcomm
     rank: int
     sendrecv: Any
+    _apply: Any
 
     def __init__(self, comm: Any = None, *, check: bool | None = None):
         super().__init__(comm, check=check)  # JaxComm's
@@ -56,6 +59,30 @@ class Cartesian:
         if not 0 <= direction < len(self.dims):
             raise ValueError(f"shift: direction={direction} is not a dimension of {self.dims}")
         return self.mpi.Shift(direction, disp)
+
+    def neighbor_allgather(self, x: PyTree) -> PyTree:
+        """Every neighbour's x: ``(2 * len(dims), *x.shape)``.
+
+        Block ``2 d`` comes from the lower neighbour along grid dimension d and
+        block ``2 d + 1`` from the upper one (``MPI_Neighbor_allgather``); blocks
+        from beyond a non-periodic edge are zeros.
+        """
+        neighbors = 2 * len(self.dims)
+        return self._apply(_collectives.neighbor_allgather_p, x, neighbors=neighbors)[0]
+
+    def neighbor_alltoall(self, x: PyTree) -> PyTree:
+        """x: ``(2 * len(dims), *s)``; block k goes to neighbour k and block k of
+        the result comes from it, in neighbor_allgather's order
+        (``MPI_Neighbor_alltoall``). Zeros from beyond a non-periodic edge.
+        """
+        neighbors = 2 * len(self.dims)
+        for leaf in jax.tree.leaves(x):
+            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != neighbors:
+                raise ValueError(
+                    f"neighbor_alltoall: x must have a leading axis of 2 * len(dims)={neighbors} "
+                    f"(one block per neighbour), got shape {jnp.shape(leaf)}"
+                )
+        return self._apply(_collectives.neighbor_alltoall_p, x)[0]
 
     def halo_exchange(
         self, x: PyTree, axis: int, width: int = 1, direction: int | None = None

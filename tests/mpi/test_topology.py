@@ -101,3 +101,80 @@ def test_many_communicators_are_freed(comm):
     # MPI runs out of communicator context ids after a few thousand leaks.
     for _ in range(3000):
         comm.create_cart([comm.size]).free()
+
+
+def grid_shapes(size):
+    """1-d periodic and not; 2-d with a periodic first dimension."""
+    return [([size], [True]), ([size], [False]), ([0, 0], [True, False])]
+
+
+def neighbour_list(cart):
+    """MPI's order: along each dimension, the lower then the upper neighbour."""
+    return [rank for d in range(len(cart.dims)) for rank in cart.shift(d)]
+
+
+@pytest.mark.parametrize("shape", range(3))
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_neighbor_allgather_and_alltoall_match_numpy(comm, shape, mode):
+    dims, periods = grid_shapes(comm.size)[shape]
+    with comm.create_cart(dims, periods) as cart:
+        k = 2 * len(cart.dims)
+        x = np.arange(3.0, dtype=np.float32) + 10 * cart.rank
+        blocks = np.stack([x + 100 * j for j in range(k)])
+        run = jax.jit if mode == "jit" else (lambda f: f)
+        got = run(cart.neighbor_allgather)(jnp.asarray(x))
+        swapped = run(cart.neighbor_alltoall)(jnp.asarray(blocks))
+        for j, rank in enumerate(neighbour_list(cart)):
+            if rank == MPI.PROC_NULL:
+                assert not np.asarray(got[j]).any() and not np.asarray(swapped[j]).any()
+                continue
+            theirs = np.arange(3.0, dtype=np.float32) + 10 * rank
+            np.testing.assert_array_equal(got[j], theirs)
+            # Neighbour j sent me its block for the opposite direction: j ^ 1.
+            np.testing.assert_array_equal(swapped[j], theirs + 100 * (j ^ 1))
+
+
+@pytest.mark.parametrize("periodic", [True, False])
+def test_neighbor_collectives_grad_jvp_and_vmap(comm, periodic):
+    with comm.create_cart([comm.size], [periodic]) as cart:
+        x = jnp.arange(4.0) + cart.rank
+        blocks = jnp.stack([x, 2 * x])
+        w = 1.0 + jnp.arange(8.0).reshape(2, 4) * (cart.rank + 1)
+
+        def gathered(x):
+            return jnp.sum(cart.neighbor_allgather(x) * w)
+
+        def swapped(b):
+            return jnp.sum(cart.neighbor_alltoall(b) * w)
+
+        lower, upper = cart.shift(0)
+        # My x sits in slot 1 of my lower neighbour (I am its upper one), slot 0
+        # of my upper neighbour; the weights there are theirs.
+        weight = lambda rank, slot: 1.0 + (4 * slot + jnp.arange(4.0)) * (rank + 1)  # noqa: E731
+        want = sum(
+            (weight(r, slot) for r, slot in ((lower, 1), (upper, 0)) if r != MPI.PROC_NULL),
+            jnp.zeros(4),
+        )
+        np.testing.assert_allclose(jax.grad(gathered)(x), want)
+        pairs = ((lower, 1), (upper, 0))
+        want_blocks = jnp.stack(
+            [weight(r, slot) if r != MPI.PROC_NULL else jnp.zeros(4) for r, slot in pairs]
+        )
+        np.testing.assert_allclose(jax.jit(jax.grad(swapped))(blocks), want_blocks)
+        y, dy = jax.jvp(cart.neighbor_alltoall, (blocks,), (3 * blocks,))
+        np.testing.assert_allclose(dy, 3 * y)
+        batch = jnp.stack([x, x + 5])
+        np.testing.assert_array_equal(
+            jax.vmap(cart.neighbor_allgather)(batch),
+            jnp.stack([cart.neighbor_allgather(x), cart.neighbor_allgather(x + 5)]),
+        )
+        np.testing.assert_array_equal(
+            jax.vmap(cart.neighbor_alltoall)(jnp.stack([blocks, -blocks])),
+            jnp.stack([cart.neighbor_alltoall(blocks), cart.neighbor_alltoall(-blocks)]),
+        )
+
+
+def test_neighbor_alltoall_checks_its_blocks(comm):
+    message = r"neighbor_alltoall: x must have a leading axis of 2"
+    with comm.create_cart([comm.size], [True]) as cart, pytest.raises(ValueError, match=message):
+        cart.neighbor_alltoall(jnp.zeros((3, 2)))
