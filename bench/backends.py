@@ -16,12 +16,20 @@ scan             (count,)         (count,)         output
 i<op>            as <op>          as <op>          as <op>
 alltoallv        (p * count,)     (p * count,)     the input, element 0 replaced by the output's
 alltoallv_skew   (10 p count,)    ((p + 9) count,) as alltoallv; on rank 0, 10x the others'
+neighbor         (2, count)       (2, count)       output
+halo             (2, count)       (2, count)       output
 ===============  ===============  ===============  ====================================
 
 alltoallv sends `count` elements (rows of one float32) to every rank, and
 alltoallv_skew the same but 10 * count from rank 0 (its input is 10x longer);
 both count the rows received with an alltoall of the counts on every call, as
 a program whose counts change would (C: MPI_Alltoall, then MPI_Alltoallv).
+
+neighbor and halo exchange blocks with the two neighbours on a periodic ring
+(a 1-d Cartesian grid): block 0 goes down and block 1 up, and the result's
+block 0 comes from below and block 1 from above. neighbor is one
+MPI_Neighbor_alltoall; halo is what jaxcomm's halo_exchange makes, two
+MPI_Sendrecv (one up, one down).
 
 The non-blocking ops (iallreduce, ibcast, ialltoall, iallgather, ireduce_scatter,
 and isendrecv: an irecv and an isend) post and then wait at once: what a
@@ -57,7 +65,8 @@ from mpi4py import MPI
 BLOCKING = ("allreduce", "bcast", "sendrecv", "alltoall", "allgather", "reduce_scatter", "scan")
 NONBLOCKING = ("iallreduce", "ibcast", "isendrecv", "ialltoall", "iallgather", "ireduce_scatter")
 VARIABLE = ("alltoallv", "alltoallv_skew")
-OPS = BLOCKING + NONBLOCKING + VARIABLE
+RING = ("neighbor", "halo")
+OPS = BLOCKING + NONBLOCKING + VARIABLE + RING
 
 
 def python_calls(op: str) -> int:
@@ -85,6 +94,8 @@ def send_counts(op: str, count: int, rank: int, size: int) -> np.ndarray:
 def input_shape(op: str, count: int, size: int, rank: int = 0) -> tuple[int, ...]:
     if op in VARIABLE:
         return (int(send_counts(op, count, rank, size).sum()),)
+    if op in RING:
+        return (2, count)
     return (size, count) if blocking_form(op) in ("alltoall", "reduce_scatter") else (count,)
 
 
@@ -111,6 +122,9 @@ def expected(op: str, count: int, rank: int, size: int) -> np.ndarray:
         return np.sum(inputs, axis=0)[rank]
     if op == "scan":
         return np.sum(inputs[: rank + 1], axis=0)
+    if op in RING:
+        below, above = (rank - 1) % size, (rank + 1) % size
+        return np.stack([inputs[below][1], inputs[above][0]])
     if op in VARIABLE:
         counts = [send_counts(op, count, r, size) for r in range(size)]
         return np.concatenate(
@@ -227,11 +241,13 @@ class Mpi4py(Backend):
             "ialltoall": lambda a, b: comm.Ialltoall(a, b).Wait(),
             "iallgather": lambda a, b: comm.Iallgather(a, b).Wait(),
             "ireduce_scatter": lambda a, b: comm.Ireduce_scatter_block(a, b, op=MPI.SUM).Wait(),
+            "neighbor": lambda a, b: self.ring.Neighbor_alltoall(a, b),
+            "halo": self._halo,
             "alltoallv": partial(self._alltoallv, send_counts(op, count, comm.rank, size)),
             "alltoallv_skew": partial(self._alltoallv, send_counts(op, count, comm.rank, size)),
         }
         call = calls[op]
-        swaps = blocking_form(op) in ("allreduce", "sendrecv", "alltoall", "scan")
+        swaps = blocking_form(op) in ("allreduce", "sendrecv", "alltoall", "scan", *RING)
         x = reference_input(op, count, comm.rank, size)
         out = np.zeros(expected(op, count, 0, size).shape, np.float32)
         buffers = [np.zeros_like(x), np.zeros_like(out)]  # reused, as C's are
@@ -253,6 +269,17 @@ class Mpi4py(Backend):
             return time.perf_counter() - start
 
         return Case(result, run)
+
+    @property
+    def ring(self) -> MPI.Cartcomm:
+        if not hasattr(self, "_ring"):
+            self._ring = self.comm.Create_cart([self.comm.size], periods=[True])
+        return self._ring
+
+    def _halo(self, a, b):
+        below, above = self.ring.Shift(0, 1)
+        self.ring.Sendrecv(a[1], above, 0, b[0], below, 0)
+        self.ring.Sendrecv(a[0], below, 1, b[1], above, 1)
 
     def _alltoallv(self, counts, a, b):
         received = np.empty_like(counts)
@@ -367,6 +394,8 @@ class JaxcommBackend(Backend):
         self.name = jit_name("jaxcomm", jit, live) + ("-check" if check else "")
 
     def _call(self, op):
+        import jax.numpy as jnp
+
         comm = self.comm
         peer = peer_of(comm.rank, comm.size)
         if op == "sendrecv":
@@ -381,11 +410,29 @@ class JaxcommBackend(Backend):
             return isendrecv
         if op in NONBLOCKING:
             return lambda x: comm.wait(getattr(comm, op)(x))
+        if op == "neighbor":
+            return self.ring.neighbor_alltoall
+        if op == "halo":
+            below, above = self.ring.shift(0)
+
+            def halo(x):
+                up = self.ring.sendrecv(x[1], source=below, dest=above)
+                down = self.ring.sendrecv(x[0], source=above, dest=below)
+                return jnp.stack([up, down])
+
+            return halo
         if op in VARIABLE:
             counts = send_counts(op, self._count, comm.rank, comm.size)
             rows = capacity(op, self._count, comm.size)
             return lambda x: comm.alltoallv(x, counts, capacity=rows)[0]
         return getattr(comm, op)
+
+    @property
+    def ring(self):
+        """The ranks as a periodic 1-d grid (a CartComm), made once."""
+        if not hasattr(self, "_ring"):
+            self._ring = self.comm.create_cart([self.comm.size], [True])
+        return self._ring
 
     def case(self, op, count):
         self._count = count
@@ -417,7 +464,7 @@ class Mpi4jaxBackend(Backend):
         }[op]
 
     def case(self, op, count):
-        if op == "reduce_scatter" or op in NONBLOCKING or op in VARIABLE:
+        if op == "reduce_scatter" or op in NONBLOCKING or op in VARIABLE or op in RING:
             return None
         return jax_case(op, count, self._call, jit=self.jit, comm=self.comm, live=self.live)
 

@@ -23,6 +23,14 @@ double raw_mpi_time(const char* op, MPI_Fint comm_f, float* a, float* b, int cou
   const int peer = (rank ^ 1) < size ? (rank ^ 1) : rank;
   float* t;
   MPI_Request requests[2];
+  /* neighbor and halo: the ranks as a periodic ring, blocks of `count` each way. */
+  MPI_Comm ring = MPI_COMM_NULL;
+  int below = MPI_PROC_NULL, above = MPI_PROC_NULL;
+  if (!strcmp(op, "neighbor") || !strcmp(op, "halo")) {
+    int periodic = 1;
+    MPI_Cart_create(comm, 1, &size, &periodic, 0, &ring);
+    MPI_Cart_shift(ring, 0, 1, &below, &above);
+  }
   double start = MPI_Wtime();
   if (!strcmp(op, "allreduce")) {
     for (int i = 0; i < iters; ++i) {
@@ -85,6 +93,19 @@ double raw_mpi_time(const char* op, MPI_Fint comm_f, float* a, float* b, int cou
       MPI_Ireduce_scatter_block(a, b, count, MPI_FLOAT, MPI_SUM, comm, &requests[0]);
       MPI_Wait(&requests[0], MPI_STATUS_IGNORE);
     }
+  } else if (!strcmp(op, "neighbor")) {
+    for (int i = 0; i < iters; ++i) {
+      MPI_Neighbor_alltoall(a, count, MPI_FLOAT, b, count, MPI_FLOAT, ring);
+      t = a, a = b, b = t;
+    }
+  } else if (!strcmp(op, "halo")) {
+    for (int i = 0; i < iters; ++i) {
+      MPI_Sendrecv(a + count, count, MPI_FLOAT, above, 0, b, count, MPI_FLOAT, below, 0, ring,
+                   MPI_STATUS_IGNORE);
+      MPI_Sendrecv(a, count, MPI_FLOAT, below, 1, b + count, count, MPI_FLOAT, above, 1, ring,
+                   MPI_STATUS_IGNORE);
+      t = a, a = b, b = t;
+    }
   } else if (!strncmp(op, "alltoallv", 9)) {
     /* The counts as bench/backends.py's send_counts: `count` rows of one float to
      * every rank; for alltoallv_skew, 10x that from rank 0. */
@@ -105,5 +126,7 @@ double raw_mpi_time(const char* op, MPI_Fint comm_f, float* a, float* b, int cou
   } else {
     return -1.0;
   }
-  return MPI_Wtime() - start;
+  double elapsed = MPI_Wtime() - start;
+  if (ring != MPI_COMM_NULL) MPI_Comm_free(&ring);
+  return elapsed;
 }
