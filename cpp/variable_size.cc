@@ -52,9 +52,9 @@ std::vector<int> int32s(const Buffer& b, size_t n) {
   return std::vector<int>(data, data + n);
 }
 
-// x's rows: the MPI datatype of one row (so that counts and displacements count
-// rows), how many x has, and where `out` is; what every variable-size exchange
-// starts with. Checking mode agrees on the dtype, the row's size and the params.
+// x's rows: how many x has, the unit in which MPI counts them (fit), and where
+// `out` is; what every variable-size exchange starts with. Checking mode agrees
+// on the dtype, the row's size and the params.
 class Rows {
  public:
   Rows(Call& call, const Buffer& x, Result& out) : call_(call), out_(out) {
@@ -70,14 +70,13 @@ class Rows {
       return;
     }
     rows_ = dims[0];
+    elements_ = elements;
     bytes_ = elements * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
     call.param("dtype", static_cast<int64_t>(x.element_type())).param("row", elements);
     auto [error, comm, type] = start(call, x);
     error_ = std::move(error);
     comm_ = comm;
-    if (error_.failure()) return;
-    MPI_Type_contiguous(static_cast<int>(elements), type, &row_);
-    MPI_Type_commit(&row_);
+    base_ = type;
   }
   ~Rows() {
     if (row_ != MPI_DATATYPE_NULL) MPI_Type_free(&row_);
@@ -85,9 +84,29 @@ class Rows {
   Rows(const Rows&) = delete;
   Rows& operator=(const Rows&) = delete;
 
+  // Chooses the unit of counts for an exchange of at most `most` rows on this
+  // rank: the element, as a C program would count, unless that overflows an
+  // int; then a datatype of one row. (MPI matches the elements either way.)
+  void fit(int64_t most) {
+    if (most * elements_ <= kMaxCount) return;
+    if (row_ == MPI_DATATYPE_NULL) {
+      MPI_Type_contiguous(static_cast<int>(elements_), base_, &row_);
+      MPI_Type_commit(&row_);
+    }
+  }
+  MPI_Datatype type() const { return row_ != MPI_DATATYPE_NULL ? row_ : base_; }
+  // Counts of rows in the unit that fit chose.
+  int units(int rows) const {
+    return row_ != MPI_DATATYPE_NULL ? rows : static_cast<int>(rows * elements_);
+  }
+  std::vector<int> units(const std::vector<int>& rows) const {
+    std::vector<int> scaled(rows.size());
+    for (size_t i = 0; i < rows.size(); ++i) scaled[i] = units(rows[i]);
+    return scaled;
+  }
+
   ffi::Error take_error() { return std::move(error_); }
   MPI_Comm comm() const { return comm_; }
-  MPI_Datatype type() const { return row_; }
   int64_t rows() const { return rows_; }
 
   // Checking mode: whether any rank's given counts differ from what the others
@@ -144,8 +163,8 @@ class Rows {
   Result& out_;
   ffi::Error error_ = ffi::Error::Success();
   MPI_Comm comm_ = MPI_COMM_NULL;
-  MPI_Datatype row_ = MPI_DATATYPE_NULL;
-  int64_t rows_ = 0, bytes_ = 0;
+  MPI_Datatype base_ = MPI_DATATYPE_NULL, row_ = MPI_DATATYPE_NULL;
+  int64_t rows_ = 0, elements_ = 0, bytes_ = 0;
   std::vector<char> scratch_;
 };
 
@@ -187,9 +206,11 @@ ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, T
   }
   const int64_t total = sum(receiving);
   if (total > kMaxCount) return invalid_argument(call.operation(), "more than 2^31 - 1 rows");
-  JAXCOMM_CHECK_MPI(MPI_Alltoallv(x.untyped_data(), sending.data(), displacements(sending).data(),
-                                  rows.type(), rows.destination(total), receiving.data(),
-                                  displacements(receiving).data(), rows.type(), comm),
+  rows.fit(std::max(rows.rows(), total));
+  const std::vector<int> send = rows.units(sending), recv = rows.units(receiving);
+  JAXCOMM_CHECK_MPI(MPI_Alltoallv(x.untyped_data(), send.data(), displacements(send).data(),
+                                  rows.type(), rows.destination(total), recv.data(),
+                                  displacements(recv).data(), rows.type(), comm),
                     call.operation(), comm);
   write_counts(recv_counts, receiving);
   if (auto err = rows.finish(total, counts_text(receiving)); err.failure()) return err;
@@ -220,9 +241,12 @@ ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenO
   }
   const int64_t total = sum(counts);
   if (total > kMaxCount) return invalid_argument(call.operation(), "more than 2^31 - 1 rows");
-  JAXCOMM_CHECK_MPI(MPI_Allgatherv(x.untyped_data(), sending, rows.type(), rows.destination(total),
-                                   counts.data(), displacements(counts).data(), rows.type(), comm),
-                    call.operation(), comm);
+  rows.fit(std::max(rows.rows(), total));
+  const std::vector<int> units = rows.units(counts);
+  JAXCOMM_CHECK_MPI(
+      MPI_Allgatherv(x.untyped_data(), rows.units(sending), rows.type(), rows.destination(total),
+                     units.data(), displacements(units).data(), rows.type(), comm),
+      call.operation(), comm);
   write_counts(counts_out, counts);
   if (auto err = rows.finish(total, counts_text(counts)); err.failure()) return err;
   return bad ? rows.bad_counts("count", counts_text({asked})) : ffi::Error::Success();
@@ -259,10 +283,12 @@ ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
   }
   const int64_t total = is_root ? sum(counts) : 0;
   if (total > kMaxCount) return invalid_argument(call.operation(), "more than 2^31 - 1 rows");
-  char* into = rows.destination(total);
-  JAXCOMM_CHECK_MPI(MPI_Gatherv(x.untyped_data(), sending, rows.type(), into, counts.data(),
-                                displacements(counts).data(), rows.type(), root, comm),
-                    call.operation(), comm);
+  rows.fit(std::max(rows.rows(), total));
+  const std::vector<int> units = rows.units(counts);
+  JAXCOMM_CHECK_MPI(
+      MPI_Gatherv(x.untyped_data(), rows.units(sending), rows.type(), rows.destination(total),
+                  units.data(), displacements(units).data(), rows.type(), root, comm),
+      call.operation(), comm);
   if (!is_root) {
     counts.assign(size, 0);
     counts[rank] = sending;
@@ -298,9 +324,11 @@ ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut
         return err;
     receiving = given;
   }
+  rows.fit(std::max<int64_t>(rows.rows(), receiving));
+  const std::vector<int> units = rows.units(sending);
   JAXCOMM_CHECK_MPI(
-      MPI_Scatterv(x.untyped_data(), sending.data(), displacements(sending).data(), rows.type(),
-                   rows.destination(receiving), receiving, rows.type(), root, comm),
+      MPI_Scatterv(x.untyped_data(), units.data(), displacements(units).data(), rows.type(),
+                   rows.destination(receiving), rows.units(receiving), rows.type(), root, comm),
       call.operation(), comm);
   write_counts(count_out, {receiving});
   if (auto err = rows.finish(receiving, counts_text({receiving})); err.failure()) return err;
