@@ -98,6 +98,11 @@ def finite(y):
     return jnp.where(jnp.isfinite(y), y, 0.0)
 
 
+def own_rows(comm):
+    """Rows of x a rank contributes to a variable-size gather: 1 or 2."""
+    return 1 + comm.rank % 2 if comm.size > 1 else 1
+
+
 #: name -> (function of (comm, x), replicated result?)
 CASES = {
     "allreduce_sum": (lambda c, x: c.allreduce(x), True),
@@ -112,6 +117,17 @@ CASES = {
     "gather": (lambda c, x: c.gather(x[-1], root=0), False),
     "scatter": (scatter_rows, False),
     "alltoall": (lambda c, x: c.alltoall(x), False),
+    # Variable-size: x's rows are (size, 2); counts that differ by rank and pair.
+    "alltoallv": (
+        lambda c, x: c.alltoallv(x, [(c.rank + d) % 2 for d in range(c.size)], capacity=c.size)[0],
+        False,
+    ),
+    "allgatherv": (lambda c, x: c.allgatherv(x, capacity=2 * c.size, count=own_rows(c))[0], True),
+    "gatherv": (lambda c, x: c.gatherv(x, 0, capacity=2 * c.size, count=own_rows(c))[0], False),
+    "scatterv": (
+        lambda c, x: c.scatterv(x, [1] * c.size if c.rank == 0 else None, 0, capacity=2)[0],
+        False,
+    ),
     "reduce_scatter_sum": (lambda c, x: c.reduce_scatter(x), False),
     "reduce_scatter_max": (lambda c, x: c.reduce_scatter(x, op=MPI.MAX), False),
     "scan_sum": (lambda c, x: c.scan(x), False),
@@ -236,7 +252,7 @@ def test_grad_matches_finite_differences(comm, name):
 @pytest.mark.parametrize("name", CASES)
 def test_jacrev_matches_finite_differences(comm, name):
     skip_beyond_three_ranks(comm)
-    if name == "gather" and comm.size > 1:
+    if name in ("gather", "gatherv") and comm.size > 1:
         pytest.skip("jacrev batches over outputs: gather's output size differs by rank")
     if (name in PAIRS and comm.size > 1) or name in STANDALONE_PAIRS:
         pytest.skip("jacrev through send and recv is refused (test_derivatives_of_a_...)")

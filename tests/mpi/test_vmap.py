@@ -38,6 +38,12 @@ CASES = {
     "allgather": lambda c, x: c.allgather(x),
     "scatter": lambda c, x: c.scatter(x if c.rank == 0 else x[0], root=0),
     "alltoall": lambda c, x: c.alltoall(x),
+    "alltoallv": lambda c, x: c.alltoallv(
+        x, [(c.rank + d) % 2 for d in range(c.size)], capacity=c.size
+    )[0],
+    "allgatherv": lambda c, x: c.allgatherv(x, capacity=2 * c.size, count=1)[0],
+    "gatherv": lambda c, x: c.gatherv(x, 0, capacity=c.size * c.size)[0],
+    "scatterv": lambda c, x: c.scatterv(x, [1] * c.size if c.rank == 0 else None, 0, capacity=2)[0],
     "sendrecv": lambda c, x: c.sendrecv(x, **ring(c)),
     "send_recv": send_recv_pairs,
     "pvary": lambda c, x: c.pvary(x),
