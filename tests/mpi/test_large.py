@@ -40,3 +40,20 @@ def test_sendrecv_over_int_max_elements_around_a_ring(comm):
     assert got.shape == (counts[left],)
     assert np.asarray(got[-4:]).tolist() == [left + 1] * min(4, counts[left])
     assert bool(jnp.all(got == left + 1))
+
+
+@pytest.mark.slow
+def test_alltoallv_over_int_max_elements(comm):
+    """Two rows of 2**30 + 3 elements each way: the elements received overflow an
+    int, so the counts are rows of a row datatype."""
+    if comm.size != 2:
+        pytest.skip("run on 2 ranks only: 2 GiB per rank")
+    row = 2**30 + 3
+    other = 1 - comm.rank
+    counts = [2 if dest == other else 0 for dest in range(2)]
+    x = jnp.full((2, row), comm.rank + 1, jnp.int8)
+    y, got = jax.jit(lambda x: comm.alltoallv(x, counts, capacity=2), donate_argnums=0)(x)
+    del x
+    assert np.asarray(got).tolist() == counts
+    assert np.asarray(y[:, :4]).tolist() == np.asarray(y[:, -4:]).tolist() == [[other + 1] * 4] * 2
+    assert bool(jnp.all(y == other + 1))
