@@ -84,15 +84,17 @@ class Rows {
   Rows(const Rows&) = delete;
   Rows& operator=(const Rows&) = delete;
 
-  // Chooses the unit of counts for an exchange of at most `most` rows on this
-  // rank: the element, as a C program would count, unless that overflows an
-  // int; then a datatype of one row. (MPI matches the elements either way.)
-  void fit(int64_t most) {
-    if (most * elements_ <= kMaxCount) return;
-    if (row_ == MPI_DATATYPE_NULL) {
+  // Chooses the unit of counts for an exchange in which this rank receives
+  // `total` rows: the element, as a C program would count, unless that
+  // overflows an int; then a datatype of one row. (MPI matches the elements
+  // either way.) An error beyond 2^31 - 1 rows.
+  ffi::Error fit(int64_t total) {
+    if (total > kMaxCount) return invalid_argument(call_.operation(), "more than 2^31 - 1 rows");
+    if (std::max(rows_, total) * elements_ > kMaxCount && row_ == MPI_DATATYPE_NULL) {
       MPI_Type_contiguous(static_cast<int>(elements_), base_, &row_);
       MPI_Type_commit(&row_);
     }
+    return ffi::Error::Success();
   }
   MPI_Datatype type() const { return row_ != MPI_DATATYPE_NULL ? row_ : base_; }
   // Counts of rows in the unit that fit chose.
@@ -174,6 +176,19 @@ bool valid(const std::vector<int>& counts, int64_t rows) {
          sum(counts) <= rows;
 }
 
+// A rank's own count of rows to send (allgatherv, gatherv): `asked`, and what it
+// sends, none if that is not between 0 and x's rows.
+struct OwnCount {
+  int asked, sending;
+  bool bad;
+};
+
+OwnCount own_count(const Buffer& count, int64_t rows) {
+  const int asked = int32s(count, 1)[0];
+  const bool bad = !valid({asked}, rows);
+  return {asked, bad ? 0 : asked, bad};
+}
+
 void write_counts(Result& to, const std::vector<int>& counts) {
   const std::vector<int32_t> values(counts.begin(), counts.end());
   memory().copy(to->untyped_data(), values.data(), values.size() * sizeof(int32_t));
@@ -205,8 +220,7 @@ ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, T
     receiving = given;
   }
   const int64_t total = sum(receiving);
-  if (total > kMaxCount) return invalid_argument(call.operation(), "more than 2^31 - 1 rows");
-  rows.fit(std::max(rows.rows(), total));
+  if (auto err = rows.fit(total); err.failure()) return err;
   const std::vector<int> send = rows.units(sending), recv = rows.units(receiving);
   JAXCOMM_CHECK_MPI(MPI_Alltoallv(x.untyped_data(), send.data(), displacements(send).data(),
                                   rows.type(), rows.destination(total), recv.data(),
@@ -224,9 +238,7 @@ ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenO
   if (auto err = rows.take_error(); err.failure()) return err;
   MPI_Comm comm = rows.comm();
   const int size = comm_size(comm);
-  const int asked = int32s(count, 1)[0];
-  const bool bad = !valid({asked}, rows.rows());
-  int sending = bad ? 0 : asked;
+  auto [asked, sending, bad] = own_count(count, rows.rows());
   std::vector<int> counts(size, 0);
   if (exchange || check)
     JAXCOMM_CHECK_MPI(MPI_Allgather(&sending, 1, MPI_INT, counts.data(), 1, MPI_INT, comm),
@@ -240,8 +252,7 @@ ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenO
     counts = given;
   }
   const int64_t total = sum(counts);
-  if (total > kMaxCount) return invalid_argument(call.operation(), "more than 2^31 - 1 rows");
-  rows.fit(std::max(rows.rows(), total));
+  if (auto err = rows.fit(total); err.failure()) return err;
   const std::vector<int> units = rows.units(counts);
   JAXCOMM_CHECK_MPI(
       MPI_Allgatherv(x.untyped_data(), rows.units(sending), rows.type(), rows.destination(total),
@@ -264,9 +275,7 @@ ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
   MPI_Comm comm = rows.comm();
   const int size = comm_size(comm), rank = comm_rank(comm);
   const bool is_root = rank == root;
-  const int asked = int32s(count, 1)[0];
-  const bool bad = !valid({asked}, rows.rows());
-  int sending = bad ? 0 : asked;
+  auto [asked, sending, bad] = own_count(count, rows.rows());
   std::vector<int> counts(size, 0);
   if (exchange || check)
     JAXCOMM_CHECK_MPI(MPI_Gather(&sending, 1, MPI_INT, counts.data(), 1, MPI_INT, root, comm),
@@ -282,8 +291,7 @@ ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
     if (is_root) counts = int32s(given_counts, size);
   }
   const int64_t total = is_root ? sum(counts) : 0;
-  if (total > kMaxCount) return invalid_argument(call.operation(), "more than 2^31 - 1 rows");
-  rows.fit(std::max(rows.rows(), total));
+  if (auto err = rows.fit(total); err.failure()) return err;
   const std::vector<int> units = rows.units(counts);
   JAXCOMM_CHECK_MPI(
       MPI_Gatherv(x.untyped_data(), rows.units(sending), rows.type(), rows.destination(total),
@@ -324,7 +332,7 @@ ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut
         return err;
     receiving = given;
   }
-  rows.fit(std::max<int64_t>(rows.rows(), receiving));
+  if (auto err = rows.fit(receiving); err.failure()) return err;
   const std::vector<int> units = rows.units(sending);
   JAXCOMM_CHECK_MPI(
       MPI_Scatterv(x.untyped_data(), units.data(), displacements(units).data(), rows.type(),
