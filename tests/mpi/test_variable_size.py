@@ -427,3 +427,27 @@ def test_scatterv_grad_jvp_and_vmap(comm):
     y, dy = jax.jvp(fn, (x,), (2 * x,))
     assert_values(dy, 2 * y)
     assert_values(jax.vmap(fn)(jnp.stack([x, 3 * x])), jnp.stack([fn(x), fn(3 * x)]))
+
+
+def test_derivatives_in_checking_mode_verify_the_known_counts(comm):
+    """The AD rules pass the counts they know (no second exchange); checking mode
+    verifies them against what is sent, and the gradients are unchanged."""
+    checking = JaxComm(comm.mpi, check=True)
+    capacity = int(all_counts(comm.size).sum()) + 1
+    x = jnp.asarray(own_rows(comm.rank))
+    count = own_count(comm.rank)
+
+    def loss(c):
+        def of(x):
+            everyone, _ = c.allgatherv(x, capacity=capacity, count=count)
+            at_root, counts = c.gatherv(x, 0, capacity=capacity, count=count)
+            back, _ = c.scatterv(at_root, counts if c.rank == 0 else None, 0, capacity=x.shape[0])
+            moved, _ = c.alltoallv(
+                x, [count if d == 0 else 0 for d in range(c.size)], capacity=capacity
+            )
+            return jnp.sum(everyone * 2) + jnp.sum(back * 3) + jnp.sum(moved * 5)
+
+        return of
+
+    np.testing.assert_allclose(jax.grad(loss(checking))(x), jax.grad(loss(comm))(x))
+    checking.free()
