@@ -40,12 +40,16 @@ def _scatter_rows(comm: CommInfo, *, root: int) -> str | None:
     return "x on the root rank" if comm.rank == root else None
 
 
+def _root_in_place(x, *, comm: CommInfo, root: int):
+    # The root's result is x: in x's own buffer, it costs no copy where x is not
+    # needed afterwards. Elsewhere MPI overwrites the result, and x's buffer would
+    # only make XLA copy an x that is still needed.
+    return {0: 0} if comm.rank == root else None
+
+
 _ROOT = {"root": ROOT}
-# The root's result is x. In x's buffer (in_place=True) a donated x costs no
-# copy, but an x still used afterwards would be copied by XLA first; the root
-# copies x itself otherwise, as a C program calling MPI_Bcast on a fresh buffer.
 bcast_p = comm_primitive(
-    "bcast", same_shape, aliases=asked_in_place, params=_ROOT, elementwise=True
+    "bcast", same_shape, aliases=_root_in_place, params=_ROOT, elementwise=True
 )
 gather_p = comm_primitive("gather", _gather_shape, params=_ROOT)
 allgather_p = comm_primitive("allgather", _stacked)
@@ -65,9 +69,9 @@ neighbor_allgather_p = comm_primitive("neighbor_allgather", _neighbor_blocks)
 neighbor_alltoall_p = comm_primitive("neighbor_alltoall", same_shape)
 
 
-def bcast(x, *, comm: CommInfo, root: int, in_place: bool = False):
+def bcast(x, *, comm: CommInfo, root: int):
     """Root's x on every rank. Shape: x.shape."""
-    return bcast_p.bind(x, comm=comm, root=root, in_place=in_place)[0]
+    return bcast_p.bind(x, comm=comm, root=root)[0]
 
 
 def gather(x, *, comm: CommInfo, root: int):
@@ -98,7 +102,7 @@ def neighbor_alltoall(x, *, comm: CommInfo):
 # -- transposes ------------------------------------------------------------------------
 
 
-def _bcast_transpose(cts, x, *, comm, root, in_place=False):
+def _bcast_transpose(cts, x, *, comm, root):
     ct = replicated_cotangent(instantiate(cts[0]), comm=comm, operation="bcast")
     return [on_rank(comm.rank == root, pvary(ct, comm=comm))]
 

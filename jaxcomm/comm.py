@@ -265,13 +265,9 @@ class JaxComm:
         """x: ``(size, *s)`` on every rank; rank r gets row r of the reduction, shape s."""
         return self._apply(_reductions.reduce_scatter_p, x, op=op)[0]
 
-    def bcast(self, x: PyTree, root: int = 0, *, in_place: bool = False) -> PyTree:
-        """Root's x on every rank. Non-root ranks pass an array of the same shape.
-
-        ``in_place=True`` broadcasts in x's buffer: the root then needs no copy of a
-        donated x.
-        """
-        return self._apply(_collectives.bcast_p, x, root=root, in_place=in_place)[0]
+    def bcast(self, x: PyTree, root: int = 0) -> PyTree:
+        """Root's x on every rank. Non-root ranks pass an array of the same shape."""
+        return self._apply(_collectives.bcast_p, x, root=root)[0]
 
     def gather(self, x: PyTree, root: int = 0) -> PyTree:
         """On root, ``(size, *x.shape)`` with rank i's x in row i; other ranks get x back."""
