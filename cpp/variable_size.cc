@@ -136,26 +136,28 @@ class Rows {
     return scratch_.data();
   }
 
-  // Zeros out's rows past the `total` received (all of them after an overflow);
-  // then the error of an overflow, naming `counts`.
-  ffi::Error finish(int64_t total, const std::string& counts) {
+  // Ends the exchange: writes the counts received into `counts_out`, zeros out's
+  // rows past the `total` received (all of them after an overflow), then gives
+  // the error of an overflow, or of this rank's own invalid counts (`bad`: the
+  // argument `name` was `asked`; it sent no rows).
+  ffi::Error finish(Result& counts_out, const std::vector<int>& received, int64_t total, bool bad,
+                    const char* name, const std::vector<int>& asked) {
+    const std::vector<int32_t> values(received.begin(), received.end());
+    memory().copy(counts_out->untyped_data(), values.data(), values.size() * sizeof(int32_t));
     const int64_t kept = total <= capacity() ? total : 0;
     static const char nothing = 0;
     memory().fill(bytes(out_) + kept * bytes_, &nothing, 1, (capacity() - kept) * bytes_);
-    if (total <= capacity()) return ffi::Error::Success();
-    return invalid_argument(
-        call_.operation(), "the counts received " + counts + " add up to " + std::to_string(total) +
-                               " rows, more than capacity=" + std::to_string(capacity()) +
-                               " (the rows were not kept)");
-  }
-
-  // The error of a rank whose own counts (the argument `name`) were invalid: it
-  // sent no rows.
-  ffi::Error bad_counts(const char* name, const std::string& counts) const {
-    return invalid_argument(call_.operation(),
-                            std::string(name) + "=" + counts +
-                                " must be non-negative and add up to at most x's " +
-                                std::to_string(rows_) + " rows (this rank sent none)");
+    if (total > capacity())
+      return invalid_argument(call_.operation(),
+                              "the counts received " + counts_text(received) + " add up to " +
+                                  std::to_string(total) + " rows, more than capacity=" +
+                                  std::to_string(capacity()) + " (the rows were not kept)");
+    if (bad)
+      return invalid_argument(call_.operation(),
+                              std::string(name) + "=" + counts_text(asked) +
+                                  " must be non-negative and add up to at most x's " +
+                                  std::to_string(rows_) + " rows (this rank sent none)");
+    return ffi::Error::Success();
   }
 
  private:
@@ -187,11 +189,6 @@ OwnCount own_count(const Buffer& count, int64_t rows) {
   const int asked = int32s(count, 1)[0];
   const bool bad = !valid({asked}, rows);
   return {asked, bad ? 0 : asked, bad};
-}
-
-void write_counts(Result& to, const std::vector<int>& counts) {
-  const std::vector<int32_t> values(counts.begin(), counts.end());
-  memory().copy(to->untyped_data(), values.data(), values.size() * sizeof(int32_t));
 }
 
 }  // namespace
@@ -226,9 +223,7 @@ ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, T
                                   rows.type(), rows.destination(total), recv.data(),
                                   displacements(recv).data(), rows.type(), comm),
                     call.operation(), comm);
-  write_counts(recv_counts, receiving);
-  if (auto err = rows.finish(total, counts_text(receiving)); err.failure()) return err;
-  return bad ? rows.bad_counts("send_counts", counts_text(asked)) : ffi::Error::Success();
+  return rows.finish(recv_counts, receiving, total, bad, "send_counts", asked);
 }
 
 ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
@@ -258,9 +253,7 @@ ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenO
       MPI_Allgatherv(x.untyped_data(), rows.units(sending), rows.type(), rows.destination(total),
                      units.data(), displacements(units).data(), rows.type(), comm),
       call.operation(), comm);
-  write_counts(counts_out, counts);
-  if (auto err = rows.finish(total, counts_text(counts)); err.failure()) return err;
-  return bad ? rows.bad_counts("count", counts_text({asked})) : ffi::Error::Success();
+  return rows.finish(counts_out, counts, total, bad, "count", {asked});
 }
 
 // Only the root's counts are exchanged and checked: the other ranks' counts
@@ -301,9 +294,7 @@ ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
     counts.assign(size, 0);
     counts[rank] = sending;
   }
-  write_counts(counts_out, counts);
-  if (auto err = rows.finish(total, counts_text(counts)); err.failure()) return err;
-  return bad ? rows.bad_counts("count", counts_text({asked})) : ffi::Error::Success();
+  return rows.finish(counts_out, counts, total, bad, "count", {asked});
 }
 
 ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut, Result out,
@@ -338,9 +329,7 @@ ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut
       MPI_Scatterv(x.untyped_data(), units.data(), displacements(units).data(), rows.type(),
                    rows.destination(receiving), rows.units(receiving), rows.type(), root, comm),
       call.operation(), comm);
-  write_counts(count_out, {receiving});
-  if (auto err = rows.finish(receiving, counts_text({receiving})); err.failure()) return err;
-  return bad ? rows.bad_counts("counts", counts_text(asked)) : ffi::Error::Success();
+  return rows.finish(count_out, {receiving}, receiving, bad, "counts", asked);
 }
 
 }  // namespace jaxcomm::mpi

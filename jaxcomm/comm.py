@@ -301,6 +301,8 @@ class JaxComm:
         (x,) = _checks.arrays(operation, [x])
         if x.ndim == 0:
             raise ValueError(f"{operation}: x must have a leading axis of rows, got shape ()")
+        if "count" in counts and counts["count"] is None:  # default: all of x's rows
+            counts["count"] = np.int32(x.shape[0])
         params["capacity"] = _checks.capacity(operation, "capacity", params["capacity"], 0)
         if "root" in params:
             params["root"] = _checks.ROOT(operation, "root", params["root"], comm.size)
@@ -355,11 +357,10 @@ class JaxComm:
         rank (one ``MPI_Allgather`` learns them). More rows than ``capacity`` is
         an error on every rank.
         """
-        own = np.int32(x.shape[0]) if count is None else count
         return self._variable_size(
             _variable_size.allgatherv_p,
             x,
-            {"count": own, "counts": _no_counts(self.size)},
+            {"count": count, "counts": _no_counts(self.size)},
             capacity=capacity,
             exchange=True,
         )
@@ -375,11 +376,10 @@ class JaxComm:
         came from each rank; on the other ranks y is ``(0, *s)`` and counts holds
         only their own count. More rows than ``capacity`` is an error on root.
         """
-        own = np.int32(x.shape[0]) if count is None else count
         return self._variable_size(
             _variable_size.gatherv_p,
             x,
-            {"count": own, "counts": _no_counts(self.size)},
+            {"count": count, "counts": _no_counts(self.size)},
             root=root,
             capacity=capacity,
             exchange=True,
