@@ -3,6 +3,8 @@
 // and rank count. What jaxcomm adds around it: checking mode (call.h), pieces or
 // derived datatypes beyond 2^31 - 1 elements, MPI_IN_PLACE when XLA gives the
 // output the input's buffer, and outputs that are written on every rank.
+#include "collectives.h"
+
 #include <mpi.h>
 
 #include <cstdint>
@@ -13,7 +15,6 @@
 #include "datatypes.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
-#include "operations.h"
 #include "started.h"
 
 namespace jaxcomm::mpi {
@@ -23,12 +24,14 @@ ffi::Error Bcast(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool c
   Call call(comm_key, check, x);
   auto [error, comm, type] = start(call.param("root", root), x);
   if (error.failure()) return error;
-  if (comm_rank(comm) == root) copy_if_distinct(out, x);
+  // The root sends from x (MPI only reads it there) and the others receive in out.
+  const bool is_root = comm_rank(comm) == root;
+  if (is_root) copy_if_distinct(out, x);
+  char* data = is_root ? bytes(x) : bytes(out);
   const size_t width = ffi::ByteWidth(x.element_type());
   JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
                                    [&](int64_t offset, int n) {
-                                     return MPI_Bcast(bytes(out) + offset * width, n, type, root,
-                                                      comm);
+                                     return MPI_Bcast(data + offset * width, n, type, root, comm);
                                    }),
                     call.operation(), comm);
   return ffi::Error::Success();

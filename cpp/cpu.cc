@@ -78,17 +78,19 @@ NB_MODULE(_jaxcomm_cpu, m) {
     return targets;
   });
   m.def(
-      "attributes",
+      "operations",
       [] {
-        nb::dict attributes;
-#define JAXCOMM_ATTRIBUTES(name, function, binding, names) \
-  attributes[#name] = nb::tuple(nb::cast(std::vector<std::string>{names}));
-        JAXCOMM_OPERATIONS(JAXCOMM_ATTRIBUTES, _, JAXCOMM_ATTRIBUTE_NAME)
-        JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_ATTRIBUTES, _, JAXCOMM_ATTRIBUTE_NAME)
-#undef JAXCOMM_ATTRIBUTES
-        return attributes;
+        nb::dict operations;
+#define JAXCOMM_DESCRIBE(name, function, binding, names)                                   \
+  operations[#name] = nb::make_tuple(nb::tuple(nb::cast(std::vector<std::string>{names})), \
+                                     jaxcomm::inputs_of<&jaxcomm::mpi::function>);
+        JAXCOMM_OPERATIONS(JAXCOMM_DESCRIBE, _, JAXCOMM_ATTRIBUTE_NAME)
+        JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_DESCRIBE, _, JAXCOMM_ATTRIBUTE_NAME)
+#undef JAXCOMM_DESCRIBE
+        return operations;
       },
-      "Each operation's own FFI attributes (after comm and check), in binding order.");
+      "Each operation's own FFI attributes (after comm and check) in binding order, and how "
+      "many buffers it takes.");
   jaxcomm::define_eager(m);
   nb::dict dtype_codes;
   for (int code = 0; code < 64; ++code) {

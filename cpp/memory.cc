@@ -54,7 +54,8 @@ UseMemory::UseMemory(const Memory& m) : previous_(current_memory) { current_memo
 UseMemory::~UseMemory() { current_memory = previous_; }
 
 void copy_if_distinct(ffi::Result<ffi::AnyBuffer>& out, const ffi::AnyBuffer& in) {
-  if (bytes(out) != bytes(in)) memory().copy(bytes(out), bytes(in), in.size_bytes());
+  if (out->size_bytes() != 0 && bytes(out) != bytes(in))
+    memory().copy(bytes(out), bytes(in), in.size_bytes());
 }
 
 void zero(ffi::Result<ffi::AnyBuffer>& out) {

@@ -3,6 +3,8 @@
 // x into one, the wait copies the result out, so MPI never touches a buffer that
 // XLA may free or reuse. XLA still passes x through as `keep` (or, for ibcast, as
 // `out`), which the handlers ignore. Wait and Test complete and poll a request.
+#include "nonblocking.h"
+
 #include <mpi.h>
 
 #include <algorithm>
@@ -17,7 +19,6 @@
 #include "datatypes.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
-#include "operations.h"
 #include "p2p.h"
 #include "requests.h"
 #include "started.h"

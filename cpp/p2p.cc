@@ -17,7 +17,6 @@
 #include "datatypes.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
-#include "operations.h"
 #include "requests.h"
 
 namespace jaxcomm::mpi {

@@ -1,6 +1,6 @@
-// What the blocking (p2p.cc) and non-blocking (nonblocking.cc) point-to-point
-// handlers share: messages split into int-sized pieces, and the check that each
-// piece arrived whole.
+// The blocking point-to-point operations (p2p.cc), and what they share with the
+// non-blocking ones (nonblocking.cc): messages split into int-sized pieces, and
+// the check that each piece arrived whole.
 #ifndef JAXCOMM_P2P_H_
 #define JAXCOMM_P2P_H_
 
@@ -10,10 +10,21 @@
 #include <string>
 #include <string_view>
 
+#include "binding.h"
 #include "jaxcomm/jaxcomm.h"
-#include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm::mpi {
+
+ffi::Error Send(Token, Buffer x, TokenOut, int64_t comm, bool check, int32_t dest, int32_t tag);
+// A receive's template gives its result's shape and dtype when traced, so XLA
+// does not pass it (a template made for the call would cost a kernel filling it).
+ffi::Error Recv(Token, TokenOut, Result out, Status status, int64_t comm, bool check,
+                int32_t source, int32_t tag);
+ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm, bool check,
+                    int32_t source, int32_t dest, int32_t sendtag, int32_t recvtag);
+// sendrecv with (sendtag, recvtag) read from the int32[2] array `tags`.
+ffi::Error TaggedSendrecv(Token, Buffer x, Buffer tags, TokenOut, Result out, Status status,
+                          int64_t comm, bool check, int32_t source, int32_t dest);
 
 // How many messages for_each_piece splits `count` elements into.
 inline int64_t pieces(int64_t count) {
@@ -35,5 +46,21 @@ inline ffi::Error check_count(const MPI_Status& s, MPI_Datatype type, int expect
 }
 
 }  // namespace jaxcomm::mpi
+
+// X(name, function, binding, attributes) for each, as operations.h describes.
+#define JAXCOMM_P2P(X, base, A)                                                  \
+  X(send, Send, one_input<>(base), A(int32_t, dest) A(int32_t, tag))             \
+  X(recv, Recv, (no_input<mpi::Buffer, mpi::StatusBuffer>(base)),                \
+    A(int32_t, source) A(int32_t, tag))                                          \
+  X(sendrecv, Sendrecv, (one_input<mpi::Buffer, mpi::StatusBuffer>(base)),       \
+    A(int32_t, source) A(int32_t, dest) A(int32_t, sendtag) A(int32_t, recvtag)) \
+  X(tagged_sendrecv, TaggedSendrecv,                                             \
+    with_comm(base.Arg<mpi::Token>()                                             \
+                  .Arg<mpi::Buffer>()                                            \
+                  .Arg<mpi::Buffer>()                                            \
+                  .Ret<mpi::Token>()                                             \
+                  .Ret<mpi::Buffer>()                                            \
+                  .Ret<mpi::StatusBuffer>()),                                    \
+    A(int32_t, source) A(int32_t, dest))
 
 #endif  // JAXCOMM_P2P_H_

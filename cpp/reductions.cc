@@ -4,6 +4,8 @@
 // (call.h), int-sized pieces beyond 2^31 - 1 elements, MPI_IN_PLACE when XLA
 // gives the output the input's buffer (a donated input), logical results that
 // are 0 or 1, exscan's identity on rank 0, and outputs written on every rank.
+#include "reductions.h"
+
 #include <mpi.h>
 
 #include <cstdint>
@@ -13,7 +15,6 @@
 #include "datatypes.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
-#include "operations.h"
 #include "started.h"
 
 namespace jaxcomm::mpi {
@@ -60,19 +61,24 @@ ffi::Error Reduce(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool 
   Call call(comm_key, check, x);
   auto [error, comm, type, mpi_operator] = start_reduction(call.param("root", root), x, op);
   if (error.failure()) return error;
-  const bool is_root = comm_rank(comm) == root;
-  // Non-root ranks get their input back, so the output is always written.
-  if (!is_root) copy_if_distinct(out, x);
-  JAXCOMM_CHECK_MPI(
-      reduce_pieces(is_root ? x.untyped_data() : out->untyped_data(), out->untyped_data(),
-                    x.element_count(), type,
-                    [&](const void* i, void* o, int n) {
-                      // Non-root: send our data, receive nothing.
-                      return is_root ? MPI_Reduce(i, o, n, type, mpi_operator, root, comm)
-                                     : MPI_Reduce(o, nullptr, n, type, mpi_operator, root, comm);
-                    }),
-      call.operation(), comm);
-  if (is_root) normalize_logical(out, op);
+  if (comm_rank(comm) != root) {
+    // The other ranks only send x, which is their result too.
+    copy_if_distinct(out, x);
+    const size_t width = ffi::ByteWidth(x.element_type());
+    JAXCOMM_CHECK_MPI(for_each_piece(x.element_count(),
+                                     [&](int64_t offset, int n) {
+                                       return MPI_Reduce(bytes(x) + offset * width, nullptr, n,
+                                                         type, mpi_operator, root, comm);
+                                     }),
+                      call.operation(), comm);
+    return ffi::Error::Success();
+  }
+  JAXCOMM_CHECK_MPI(reduce_pieces(x.untyped_data(), out->untyped_data(), x.element_count(), type,
+                                  [&](const void* i, void* o, int n) {
+                                    return MPI_Reduce(i, o, n, type, mpi_operator, root, comm);
+                                  }),
+                    call.operation(), comm);
+  normalize_logical(out, op);
   return ffi::Error::Success();
 }
 

@@ -1,6 +1,8 @@
 // Checking mode's test behind the gradient convention: is a cotangent identical
 // on every rank? The transposes of operations whose result is replicated
 // (allreduce, bcast, allgather) call it when checking mode is on.
+#include "replicated.h"
+
 #include <mpi.h>
 
 #include <cmath>
@@ -13,7 +15,6 @@
 #include "call.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
-#include "operations.h"
 
 namespace jaxcomm::mpi {
 

@@ -11,10 +11,10 @@
 #include <unordered_map>
 #include <utility>
 
+#include "binding.h"
 #include "call.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
-#include "operations.h"
 
 namespace jaxcomm::mpi {
 namespace {

@@ -9,9 +9,9 @@
 
 #include <cstdint>
 
+#include "binding.h"
 #include "call.h"
 #include "datatypes.h"
-#include "operations.h"
 
 namespace jaxcomm::mpi {
 

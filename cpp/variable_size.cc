@@ -11,6 +11,8 @@
 // rank whose incoming rows exceed its capacity receives them into a scratch
 // buffer; each then returns an error that names its counts. Rows of the result
 // past those received are zeros.
+#include "variable_size.h"
+
 #include <mpi.h>
 
 #include <algorithm>
@@ -22,7 +24,6 @@
 #include "datatypes.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
-#include "operations.h"
 #include "started.h"
 
 namespace jaxcomm::mpi {

@@ -11,7 +11,14 @@ from __future__ import annotations
 from jax import core
 
 from jaxcomm._checks import ROOT
-from jaxcomm._primitive import CommInfo, asked_in_place, comm_primitive, same_shape
+from jaxcomm._primitive import (
+    CommInfo,
+    asked_in_place,
+    comm_primitive,
+    off_root,
+    on_root,
+    same_shape,
+)
 from jaxcomm._replicated import pvary, replicated_cotangent
 from jaxcomm._rules import (
     batch_elementwise,
@@ -40,18 +47,11 @@ def _scatter_rows(comm: CommInfo, *, root: int) -> str | None:
     return "x on the root rank" if comm.rank == root else None
 
 
-def _root_in_place(x, *, comm: CommInfo, root: int):
-    # The root's result is x: in x's own buffer, it costs no copy where x is not
-    # needed afterwards. Elsewhere MPI overwrites the result, and x's buffer would
-    # only make XLA copy an x that is still needed.
-    return {0: 0} if comm.rank == root else None
-
-
 _ROOT = {"root": ROOT}
-bcast_p = comm_primitive(
-    "bcast", same_shape, aliases=_root_in_place, params=_ROOT, elementwise=True
-)
-gather_p = comm_primitive("gather", _gather_shape, params=_ROOT)
+# bcast's root and gather's other ranks return x as it is; the others get a
+# buffer of their own, which MPI fills (x's would make XLA copy an x still used).
+bcast_p = comm_primitive("bcast", same_shape, result_is_x=on_root, params=_ROOT, elementwise=True)
+gather_p = comm_primitive("gather", _gather_shape, result_is_x=off_root, params=_ROOT)
 allgather_p = comm_primitive("allgather", _stacked)
 scatter_p = comm_primitive("scatter", _scatter_shape, params=_ROOT, leading_axis=_scatter_rows)
 # MPI libraries' in-place alltoall is also slower: it exchanges through a

@@ -78,7 +78,7 @@ def _fail(code: str, message: str) -> None:
 def _prepare(primitive: Any, in_types, comm, params: Params, where, wrapped) -> cpu.EagerCall:
     """primitive's call on arrays of `in_types` on device `where`, its first
     `wrapped` results jax.Arrays there, the rest NumPy arrays."""
-    templates = int(primitive.template)  # a receive's template: not passed
+    templates = len(in_types) - primitive.inputs  # a receive's template: not passed
     avals = [core.ShapedArray(shape, dtype) for shape, dtype in in_types]
     values = dict(params)
     outputs = [

@@ -115,7 +115,6 @@ def _declare(blocking: CommPrimitive, kind: StartBuffers, batch_in=0, batch_out=
         params=blocking.params,
         elementwise=blocking.elementwise,
         leading_axis=blocking.leading_axis,
-        template=blocking.template,
     )
     # A start evaluated at once (a rule rebinding it outside any trace) is compiled
     # alone, before its wait is bound: its Request's owner is eager code.

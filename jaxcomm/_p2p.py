@@ -37,9 +37,7 @@ send_p = comm_primitive("send", lambda *_, **__: [], params={"dest": DEST, "tag"
 # recv's operand is its template: only its shape and dtype are used. Being an
 # operand lets a tangent reach recv; it is not passed to the FFI call, so a
 # template made for the call (jnp.empty_like(x)) costs nothing.
-recv_p = comm_primitive(
-    "recv", _recv_shape, params={"source": SOURCE, "tag": RECEIVED_TAG}, template=True
-)
+recv_p = comm_primitive("recv", _recv_shape, params={"source": SOURCE, "tag": RECEIVED_TAG})
 # sendrecv never runs in place: receiving over the data being sent needs a
 # message-sized buffer anyway (MPI_Sendrecv_replace allocates one), so aliasing
 # would save no memory and cost a copy even where XLA could keep both arrays.

@@ -43,9 +43,10 @@ AbstractEval = Callable[..., Sequence[Any]]
 # anything; or a function of (comm, **params) that says so.
 LeadingAxis = str | Callable[..., str | None] | None
 
-# Each C++ operation's own attributes, from its one declaration (cpp/operations.h).
-_ATTRIBUTES: dict[str, tuple[str, ...]] = {
-    name: tuple(attributes) for name, attributes in cpu.attributes().items()
+# Each C++ operation's own attributes and how many buffers it takes, from its
+# family's table (cpp/operations.h).
+_OPERATIONS: dict[str, tuple[tuple[str, ...], int]] = {
+    name: (tuple(attributes), inputs) for name, (attributes, inputs) in cpu.operations().items()
 }
 #: Every operation's primitive, by name: one for each operation in cpp/operations.h.
 PRIMITIVES: dict[str, CommPrimitive] = {}
@@ -69,6 +70,16 @@ def asked_in_place(x, *, in_place: bool = False, **_):
     return {0: 0} if in_place else None
 
 
+def on_root(*, comm: CommInfo, root: int, **_) -> bool:
+    """result_is_x of ops whose root keeps its x (bcast)."""
+    return comm.rank == root
+
+
+def off_root(*, comm: CommInfo, root: int, **_) -> bool:
+    """result_is_x of ops whose other ranks keep their x (reduce, gather)."""
+    return comm.rank != root
+
+
 class CommPrimitive(Primitive):
     """A jaxcomm operation, as declared by `comm_primitive`. Binding it outside a
     trace compiles it; jaxcomm._eager runs it on concrete host arrays without
@@ -83,7 +94,6 @@ class CommPrimitive(Primitive):
         params: Mapping[str, Check],
         elementwise: bool,
         leading_axis: LeadingAxis,
-        template: bool,
     ):
         super().__init__(f"jaxcomm_{name}")
         self.operation = name
@@ -91,10 +101,11 @@ class CommPrimitive(Primitive):
         self.params = dict(params)
         self.elementwise = elementwise
         self.leading_axis = leading_axis
-        self.template = template
         # The params passed to the FFI handler after the communicator and checking
-        # flag, by name inside jit and in this order eagerly: the C++ table's.
-        self.attrs: tuple[str, ...] = _ATTRIBUTES[name]
+        # flag, by name inside jit and in this order eagerly: the C++ table's; and
+        # how many of the last operands it takes (the others, a receive's template,
+        # give only the results' shape and dtype).
+        self.attrs, self.inputs = _OPERATIONS[name]
         self.def_impl(partial(apply_primitive, self))
 
     def bind_with_trace(self, trace, args, *rest):
@@ -139,11 +150,11 @@ def comm_primitive(
     abstract_eval: AbstractEval,
     *,
     aliases: Callable[..., dict[int, int] | None] | None = None,
+    result_is_x: Callable[..., bool] | None = None,
     before_lowering: Callable[..., None] | None = None,
     params: Mapping[str, Check] | None = None,
     elementwise: bool = False,
     leading_axis: LeadingAxis = None,
-    template: bool = False,
 ) -> CommPrimitive:
     """Define the primitive for operation `name`.
 
@@ -151,24 +162,26 @@ def comm_primitive(
     as string attributes) the primitive's params must include.
     abstract_eval(*avals, comm, **params) returns the output avals.
     `aliases(*avals, **params)` says which outputs may reuse which inputs.
+    `result_is_x(comm, **params)`: on this rank the first result is x, unchanged
+    (bcast's root, reduce's and gather's other ranks). The compiled call then
+    reads x and returns it as it is: no copy, and no buffer for the result,
+    whether or not x is used afterwards.
     `before_lowering(**params)` may refuse to lower a call.
     `params`: how each parameter a caller passes is checked (jaxcomm._checks).
     `elementwise`: each element of the result depends only on the same element of
     x on every rank, so the small arrays of a pytree may travel as one message.
     `leading_axis`: what must have a leading axis of length size (its name in the
     error), if anything; or a function of (comm, **params) that says so.
-    `template`: the first operand (a receive's template) gives only the results'
-    shape and dtype; the host function does not take it (cpp/operations.h), so neither
-    the compiled call (where a template made for the call would cost a kernel
-    that fills it) nor the eager call passes it.
+    A primitive may have operands before those the C++ function takes (its
+    buffers, in the table): a receive's template, which gives only the results'
+    shape and dtype, so neither the compiled call (where a template made for the
+    call would cost a kernel that fills it) nor the eager call passes it.
     """
-    if name not in _ATTRIBUTES:
+    if name not in _OPERATIONS:
         raise ValueError(f"no operation {name!r} in the C++ table (cpp/operations.h)")
     if name in PRIMITIVES:
         raise ValueError(f"operation {name!r} is declared twice")
-    primitive = CommPrimitive(
-        name, abstract_eval, params or {}, elementwise, leading_axis, template
-    )
+    primitive = CommPrimitive(name, abstract_eval, params or {}, elementwise, leading_axis)
     PRIMITIVES[name] = primitive
     primitive.def_effectful_abstract_eval(
         lambda *avals, **params: (abstract_eval(*avals, **params), {COMM_EFFECT})
@@ -177,13 +190,22 @@ def comm_primitive(
     def lowering(ctx: mlir.LoweringRuleContext, *operands: Any, comm: CommInfo, **params: Any):
         if before_lowering is not None:
             before_lowering(**params)
-        alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases else None
-        rule = lower_with_token(f"jaxcomm_{name}", aliases=alias, templates=int(template))
+        templates = len(operands) - primitive.inputs
         ffi_attrs: dict[str, Any] = {"comm": np.int64(comm.key), "check": np.bool_(comm.check)}
         for key in primitive.attrs:
             value = params[key]
             ffi_attrs[key] = value if isinstance(value, str) else np.int32(value)
-        return rule(ctx, *operands, **ffi_attrs)
+        if result_is_x is None or not result_is_x(comm=comm, **params):
+            alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases else None
+            rule = lower_with_token(f"jaxcomm_{name}", aliases=alias, templates=templates)
+            return rule(ctx, *operands, **ffi_attrs)
+        rule = lower_with_token(f"jaxcomm_{name}", templates=templates)
+        # The host function sees an empty result and leaves it be (cpp/memory.h).
+        first, *rest = ctx.avals_out
+        empty = ctx.replace(avals_out=[core.ShapedArray((0,), first.dtype), *rest])
+        results = rule(empty, *operands, **ffi_attrs)
+        ctx.set_tokens_out(empty.tokens_out)
+        return [operands[0], *results[1:]]
 
     for platform in PLATFORMS:  # the same FFI target name on every platform
         mlir.register_lowering(primitive, lowering, platform=platform)

@@ -20,7 +20,7 @@ from jax import core
 from jaxcomm._checks import ROOT, reduce_op
 from jaxcomm._collectives import allgather, bcast
 from jaxcomm._datatypes import ReduceOp
-from jaxcomm._primitive import CommInfo, asked_in_place, comm_primitive, same_shape
+from jaxcomm._primitive import CommInfo, asked_in_place, comm_primitive, off_root, same_shape
 from jaxcomm._replicated import pvary, pvary_p, replicated_cotangent
 from jaxcomm._rules import (
     batch_elementwise,
@@ -40,7 +40,10 @@ def _row(x, **_):
 _OP = {"op": reduce_op}
 _REDUCTION = {"aliases": asked_in_place, "elementwise": True}
 allreduce_p = comm_primitive("allreduce", same_shape, params=_OP, **_REDUCTION)
-reduce_p = comm_primitive("reduce", same_shape, params=_OP | {"root": ROOT}, **_REDUCTION)
+# reduce's other ranks return x as it is.
+reduce_p = comm_primitive(
+    "reduce", same_shape, result_is_x=off_root, params=_OP | {"root": ROOT}, **_REDUCTION
+)
 scan_p = comm_primitive("scan", same_shape, params=_OP, **_REDUCTION)
 exscan_p = comm_primitive("exscan", same_shape, params=_OP, **_REDUCTION)
 reduce_scatter_p = comm_primitive("reduce_scatter", _row, params=_OP, leading_axis="x")

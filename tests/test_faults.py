@@ -85,7 +85,7 @@ def test_debug_log_names_every_operation_as_the_cpp_table_does(tmp_path):
         # Checking mode's check of a replicated cotangent.
         jax.grad(lambda t: JaxComm(check=True).allreduce(t).sum())(x)
         if comm.rank == 0:  # one rank: two ranks' lines may interleave
-            print("TABLE", *_native.cpu.attributes())
+            print("TABLE", *_native.cpu.operations())
     """,
     )
     result = run(2, [script], TIMEOUT, env={"JAXCOMM_DEBUG": "1"})

@@ -137,7 +137,7 @@ def test_the_cpp_and_python_declarations_agree():
 
     assert list(_native.cpu.reduce_op_names) == [op.name.lower() for op in ReduceOp]
 
-    declared = set(_native.cpu.attributes())
+    declared = set(_native.cpu.operations())
     assert set(PRIMITIVES) == declared
     polling = {"wait", "test"}
     assert set(_native.cpu.registrations()) == {f"jaxcomm_{n}" for n in declared | polling}

@@ -1,0 +1,53 @@
+// The variable-size exchanges (variable_size.cc) move rows of x (its leading
+// axis); out takes the rows received, in rank order, then zeros. The counts
+// received are given (int32 buffers), or with `exchange` learnt from the senders.
+#ifndef JAXCOMM_VARIABLE_SIZE_H_
+#define JAXCOMM_VARIABLE_SIZE_H_
+
+#include <cstdint>
+#include <utility>
+
+#include "binding.h"
+
+namespace jaxcomm {
+
+// token, x, counts, given counts -> token, result, counts, with the
+// communicator's attributes.
+template <typename Binding>
+auto variable_size(Binding&& base) {
+  return with_comm(std::forward<Binding>(base)
+                       .template Arg<mpi::Token>()
+                       .template Arg<mpi::Buffer>()
+                       .template Arg<mpi::Buffer>()
+                       .template Arg<mpi::Buffer>()
+                       .template Ret<mpi::Token>()
+                       .template Ret<mpi::Buffer>()
+                       .template Ret<mpi::Buffer>());
+}
+
+namespace mpi {
+
+// alltoallv: send_counts[i] (int32[size]) rows to rank i; recv_counts int32[size].
+ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut, Result out,
+                     Result recv_counts, int64_t comm, bool check, int32_t exchange);
+// allgatherv: `count` (int32[]) rows from every rank to every rank; counts int32[size].
+ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
+                      Result counts, int64_t comm, bool check, int32_t exchange);
+// gatherv: `count` rows from every rank to root; counts int32[size] (on root).
+ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
+                   Result counts, int64_t comm, bool check, int32_t root, int32_t exchange);
+// scatterv: root's counts[i] (int32[size]) rows to rank i; count int32[].
+ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut, Result out,
+                    Result count, int64_t comm, bool check, int32_t root, int32_t exchange);
+
+}  // namespace mpi
+}  // namespace jaxcomm
+
+// X(name, function, binding, attributes) for each, as operations.h describes.
+#define JAXCOMM_VARIABLE_SIZE(X, base, A)                                         \
+  X(alltoallv, Alltoallv, variable_size(base), A(int32_t, exchange))              \
+  X(allgatherv, Allgatherv, variable_size(base), A(int32_t, exchange))            \
+  X(gatherv, Gatherv, variable_size(base), A(int32_t, root) A(int32_t, exchange)) \
+  X(scatterv, Scatterv, variable_size(base), A(int32_t, root) A(int32_t, exchange))
+
+#endif  // JAXCOMM_VARIABLE_SIZE_H_
