@@ -32,7 +32,9 @@
   JAXCOMM_P2P(X, base, A)              \
   JAXCOMM_REPLICATED(X, base, A)
 
-#define JAXCOMM_NONBLOCKING_OPERATIONS(X, base, A) JAXCOMM_NONBLOCKING(X, base, A)
+#define JAXCOMM_NONBLOCKING_OPERATIONS(X, base, A) \
+  JAXCOMM_NONBLOCKING(X, base, A)                  \
+  JAXCOMM_VARIABLE_SIZE_STARTS(X, base, A)
 
 namespace jaxcomm {
 

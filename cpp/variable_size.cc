@@ -24,6 +24,7 @@
 #include "datatypes.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
+#include "requests.h"
 #include "started.h"
 
 namespace jaxcomm::mpi {
@@ -139,15 +140,31 @@ class Rows {
 
   // Ends the exchange: writes the counts received into `counts_out`, zeros out's
   // rows past the `total` received (all of them after an overflow), then gives
-  // the error of an overflow, or of this rank's own invalid counts (`bad`: the
-  // argument `name` was `asked`; it sent no rows).
+  // `outcome`'s error, if any.
   ffi::Error finish(Result& counts_out, const std::vector<int>& received, int64_t total, bool bad,
                     const char* name, const std::vector<int>& asked) {
+    write_counts(counts_out, received);
+    zero_rows_past(bytes(out_), total);
+    return outcome(received, total, bad, name, asked);
+  }
+
+  void write_counts(Result& counts_out, const std::vector<int>& received) const {
     const std::vector<int32_t> values(received.begin(), received.end());
     memory().copy(counts_out->untyped_data(), values.data(), values.size() * sizeof(int32_t));
+  }
+
+  // Zeros the rows of a result at `result` past the `total` received (all of
+  // them after an overflow).
+  void zero_rows_past(char* result, int64_t total) const {
     const int64_t kept = total <= capacity() ? total : 0;
     static const char nothing = 0;
-    memory().fill(bytes(out_) + kept * bytes_, &nothing, 1, (capacity() - kept) * bytes_);
+    memory().fill(result + kept * bytes_, &nothing, 1, (capacity() - kept) * bytes_);
+  }
+
+  // The error of an overflow, or of this rank's own invalid counts (`bad`: the
+  // argument `name` was `asked`; it sent no rows), if any.
+  ffi::Error outcome(const std::vector<int>& received, int64_t total, bool bad, const char* name,
+                     const std::vector<int>& asked) const {
     if (total > capacity())
       return invalid_argument(call_.operation(),
                               "the counts received " + counts_text(received) + " add up to " +
@@ -160,6 +177,8 @@ class Rows {
                                   std::to_string(rows_) + " rows (this rank sent none)");
     return ffi::Error::Success();
   }
+
+  int64_t row_bytes() const { return bytes_; }
 
  private:
   int64_t capacity() const { return out_->dimensions()[0]; }
@@ -194,37 +213,104 @@ OwnCount own_count(const Buffer& count, int64_t rows) {
 
 }  // namespace
 
+namespace {
+
+// alltoallv's counts: what this rank asked to send (`bad` if invalid: then it
+// sends none) and what it receives, given or exchanged.
+struct AlltoallvCounts {
+  std::vector<int> asked, sending, receiving;
+  bool bad = false;
+  int64_t total = 0;  // rows received
+};
+
+ffi::Error alltoallv_counts(Call& call, Rows& rows, const Buffer& send_counts,
+                            const Buffer& given_counts, bool exchange, bool check,
+                            AlltoallvCounts& counts) {
+  MPI_Comm comm = rows.comm();
+  const int size = comm_size(comm);
+  counts.asked = int32s(send_counts, size);
+  counts.bad = !valid(counts.asked, rows.rows());
+  counts.sending = counts.bad ? std::vector<int>(size, 0) : counts.asked;
+  counts.receiving.assign(size, 0);
+  if (exchange || check)
+    JAXCOMM_CHECK_MPI(
+        MPI_Alltoall(counts.sending.data(), 1, MPI_INT, counts.receiving.data(), 1, MPI_INT, comm),
+        call.operation(), comm);
+  if (!exchange) {
+    const std::vector<int> given = int32s(given_counts, size);
+    if (check)
+      if (auto err = rows.agree(given != counts.receiving, "recv_counts", counts_text(given),
+                                counts_text(counts.receiving));
+          err.failure())
+        return err;
+    counts.receiving = given;
+  }
+  counts.total = sum(counts.receiving);
+  return rows.fit(counts.total);
+}
+
+}  // namespace
+
 ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut, Result out,
                      Result recv_counts, int64_t comm_key, bool check, int32_t exchange) {
   Call call(comm_key, check);
   Rows rows(call, x, out);
   if (auto err = rows.take_error(); err.failure()) return err;
-  MPI_Comm comm = rows.comm();
-  const int size = comm_size(comm);
-  const std::vector<int> asked = int32s(send_counts, size);
-  const bool bad = !valid(asked, rows.rows());
-  const std::vector<int> sending = bad ? std::vector<int>(size, 0) : asked;
-  std::vector<int> receiving(size, 0);
-  if (exchange || check)
-    JAXCOMM_CHECK_MPI(MPI_Alltoall(sending.data(), 1, MPI_INT, receiving.data(), 1, MPI_INT, comm),
-                      call.operation(), comm);
-  if (!exchange) {
-    const std::vector<int> given = int32s(given_counts, size);
-    if (check)
-      if (auto err = rows.agree(given != receiving, "recv_counts", counts_text(given),
-                                counts_text(receiving));
-          err.failure())
-        return err;
-    receiving = given;
-  }
-  const int64_t total = sum(receiving);
-  if (auto err = rows.fit(total); err.failure()) return err;
-  const std::vector<int> send = rows.units(sending), recv = rows.units(receiving);
+  AlltoallvCounts counts;
+  if (auto err = alltoallv_counts(call, rows, send_counts, given_counts, exchange, check, counts);
+      err.failure())
+    return err;
+  const std::vector<int> send = rows.units(counts.sending), recv = rows.units(counts.receiving);
   JAXCOMM_CHECK_MPI(MPI_Alltoallv(x.untyped_data(), send.data(), displacements(send).data(),
-                                  rows.type(), rows.destination(total), recv.data(),
-                                  displacements(recv).data(), rows.type(), comm),
-                    call.operation(), comm);
-  return rows.finish(recv_counts, receiving, total, bad, "send_counts", asked);
+                                  rows.type(), rows.destination(counts.total), recv.data(),
+                                  displacements(recv).data(), rows.type(), rows.comm()),
+                    call.operation(), rows.comm());
+  return rows.finish(recv_counts, counts.receiving, counts.total, counts.bad, "send_counts",
+                     counts.asked);
+}
+
+// Posts MPI_Ialltoallv on buffers the pending request owns (requests.h): a copy
+// of x, the result, and the count and displacement arrays, which MPI reads until
+// the request completes. The counts are known at the post (given, or exchanged
+// then with a blocking MPI_Alltoall) and returned at once; an overflow or this
+// rank's invalid counts are reported by the wait, after the exchange every rank
+// took part in.
+ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
+                      Result out, Result request, Result /*keep*/, Result recv_counts,
+                      int64_t comm_key, bool check, int32_t exchange) {
+  Call call(comm_key, check);
+  Rows rows(call, x, out);
+  if (auto err = rows.take_error(); err.failure()) return err;
+  AlltoallvCounts counts;
+  if (auto err = alltoallv_counts(call, rows, send_counts, given_counts, exchange, check, counts);
+      err.failure())
+    return err;
+  rows.write_counts(recv_counts, counts.receiving);
+  Pending pending{call.operation(), comm_key, check};
+  auto owned_ints = [&](const std::vector<int>& values) {
+    return reinterpret_cast<int*>(pending.own_copy(values.data(), values.size() * sizeof(int)));
+  };
+  const std::vector<int> send = rows.units(counts.sending), recv = rows.units(counts.receiving);
+  int* send_units = owned_ints(send);
+  int* send_starts = owned_ints(displacements(send));
+  int* recv_units = owned_ints(recv);
+  int* recv_starts = owned_ints(displacements(recv));
+  const char* in = pending.own_copy(x.untyped_data(), x.size_bytes());
+  char* result = pending.own_result(out->size_bytes());
+  const bool overflow = counts.total > out->dimensions()[0];
+  // Overflowing rows are received in full, then dropped.
+  char* into =
+      overflow ? pending.own(static_cast<size_t>(counts.total * rows.row_bytes())) : result;
+  rows.zero_rows_past(result, counts.total);
+  pending.finish = [error = rows.outcome(counts.receiving, counts.total, counts.bad, "send_counts",
+                                         counts.asked)](Call&, const MPI_Status*, int32_t*) {
+    return error;
+  };
+  JAXCOMM_CHECK_MPI(
+      MPI_Ialltoallv(in, send_units, send_starts, rows.type(), into, recv_units, recv_starts,
+                     rows.type(), rows.comm(), &pending.requests.emplace_back()),
+      call.operation(), rows.comm());
+  return post(request->untyped_data(), std::move(pending));
 }
 
 ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,

@@ -11,18 +11,16 @@
 
 namespace jaxcomm {
 
-// token, x, counts, given counts -> token, result, counts, with the
-// communicator's attributes.
-template <typename Binding>
+// token, x, counts, given counts -> token, Results..., with the communicator's
+// attributes.
+template <typename... Results, typename Binding>
 auto variable_size(Binding&& base) {
-  return with_comm(std::forward<Binding>(base)
-                       .template Arg<mpi::Token>()
-                       .template Arg<mpi::Buffer>()
-                       .template Arg<mpi::Buffer>()
-                       .template Arg<mpi::Buffer>()
-                       .template Ret<mpi::Token>()
-                       .template Ret<mpi::Buffer>()
-                       .template Ret<mpi::Buffer>());
+  return with_comm(returning<Results...>(std::forward<Binding>(base)
+                                             .template Arg<mpi::Token>()
+                                             .template Arg<mpi::Buffer>()
+                                             .template Arg<mpi::Buffer>()
+                                             .template Arg<mpi::Buffer>()
+                                             .template Ret<mpi::Token>()));
 }
 
 namespace mpi {
@@ -39,15 +37,29 @@ ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
 // scatterv: root's counts[i] (int32[size]) rows to rank i; count int32[].
 ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut, Result out,
                     Result count, int64_t comm, bool check, int32_t root, int32_t exchange);
+// The non-blocking alltoallv (host memory only): a start as nonblocking.h's, whose
+// recv_counts are known, and returned, at the post.
+ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
+                      Result out, Result request, Result keep, Result recv_counts, int64_t comm,
+                      bool check, int32_t exchange);
 
 }  // namespace mpi
 }  // namespace jaxcomm
 
 // X(name, function, binding, attributes) for each, as operations.h describes.
-#define JAXCOMM_VARIABLE_SIZE(X, base, A)                                         \
-  X(alltoallv, Alltoallv, variable_size(base), A(int32_t, exchange))              \
-  X(allgatherv, Allgatherv, variable_size(base), A(int32_t, exchange))            \
-  X(gatherv, Gatherv, variable_size(base), A(int32_t, root) A(int32_t, exchange)) \
-  X(scatterv, Scatterv, variable_size(base), A(int32_t, root) A(int32_t, exchange))
+#define JAXCOMM_VARIABLE_SIZE(X, base, A)                                                          \
+  X(alltoallv, Alltoallv, (variable_size<mpi::Buffer, mpi::Buffer>(base)), A(int32_t, exchange))   \
+  X(allgatherv, Allgatherv, (variable_size<mpi::Buffer, mpi::Buffer>(base)), A(int32_t, exchange)) \
+  X(gatherv, Gatherv, (variable_size<mpi::Buffer, mpi::Buffer>(base)),                             \
+    A(int32_t, root) A(int32_t, exchange))                                                         \
+  X(scatterv, Scatterv, (variable_size<mpi::Buffer, mpi::Buffer>(base)),                           \
+    A(int32_t, root) A(int32_t, exchange))
+
+// The starts, as nonblocking.h's: the result's buffer, the request, x passed
+// through, and the counts received.
+#define JAXCOMM_VARIABLE_SIZE_STARTS(X, base, A)                               \
+  X(ialltoallv, Ialltoallv,                                                    \
+    (variable_size<mpi::Buffer, mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)), \
+    A(int32_t, exchange))
 
 #endif  // JAXCOMM_VARIABLE_SIZE_H_

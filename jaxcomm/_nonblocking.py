@@ -46,7 +46,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 from mpi4py import MPI
 
-from jaxcomm import _collectives, _p2p, _reductions, _replicated
+from jaxcomm import _collectives, _p2p, _reductions, _replicated, _variable_size
 from jaxcomm._datatypes import ReduceOp
 from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
 from jaxcomm._native import PLATFORMS, cpu
@@ -72,12 +72,17 @@ class StartBuffers(NamedTuple):
     input: bool  # x passed through, which MPI reads (apart from `result`)
     status: bool  # the wait also returns (source, tag)
     in_place: bool = False  # the result is x's buffer, which MPI reads and writes
+    # x is followed by (send counts, given counts) and the start also returns the
+    # counts received, known at the post; the wait takes (send, received) after
+    # its buffers, for its adjoint (a variable-size exchange).
+    counts: bool = False
 
 
 COLLECTIVE = StartBuffers(result=True, input=True, status=False)
 IN_PLACE = StartBuffers(result=True, input=False, status=False, in_place=True)
 SEND = StartBuffers(result=False, input=True, status=False)
 RECEIVE = StartBuffers(result=True, input=False, status=True)
+VARIABLE = StartBuffers(result=True, input=True, status=False, counts=True)
 
 
 def _aliases(kind: StartBuffers) -> dict[int, int] | None:
@@ -101,9 +106,14 @@ class Nonblocking(NamedTuple):
 
 
 def _declare(blocking: CommPrimitive, kind: StartBuffers, batch_in=0, batch_out=0) -> Nonblocking:
-    def abstract_eval(x, **params):
-        results = blocking.result_types(x, **params)[:1] if kind.result else []
-        return [*results, REQUEST, *([x] if kind.input else [])]
+    def abstract_eval(x, *counts, **params):
+        result, *received = blocking.result_types(x, *counts, **params) or [None]
+        return [
+            *([result] if kind.result else []),
+            REQUEST,
+            *([x] if kind.input else []),
+            *(received if kind.counts else []),
+        ]
 
     name = "i" + blocking.operation
     aliases = _aliases(kind)
@@ -118,7 +128,9 @@ def _declare(blocking: CommPrimitive, kind: StartBuffers, batch_in=0, batch_out=
     )
     # A start evaluated at once (a rule rebinding it outside any trace) is compiled
     # alone, before its wait is bound: its Request's owner is eager code.
-    start.def_impl(lambda x, *, posted, **params: apply_primitive(start, x, posted=0, **params))
+    start.def_impl(
+        lambda *operands, posted, **params: apply_primitive(start, *operands, posted=0, **params)
+    )
     return Nonblocking(start, kind, batch_in, batch_out)
 
 
@@ -151,6 +163,7 @@ OPERATIONS: dict[str, Nonblocking] = {
         _declare(_collectives.alltoall_p, COLLECTIVE, batch_in=1, batch_out=1),
         _declare(_p2p.send_p, SEND),
         _declare(_p2p.recv_p, RECEIVE),
+        _declare(_variable_size.alltoallv_p, VARIABLE, batch_in=1, batch_out=1),
     ]
 }
 
@@ -162,7 +175,7 @@ def _wait_shapes(*operands, operation, **_):
     kind = OPERATIONS[operation].kind
     if not kind.result:
         return []
-    pending = operands[-1]
+    _, _, pending, _ = _split_wait_operands(kind, operands)
     return [pending, _p2p.STATUS] if kind.status else [pending]
 
 
@@ -173,7 +186,7 @@ wait_p.multiple_results = True
 def _wait_impl(*operands, operation, comm, params):
     # Not through JAX's dispatch: that would copy `pending` (it cannot donate it)
     # before MPI has written it.
-    request, keep, pending = _split_wait_operands(OPERATIONS[operation].kind, operands)
+    request, keep, pending, _ = _split_wait_operands(OPERATIONS[operation].kind, operands)
     return [jnp.asarray(v) for v in wait_now(operation, comm, params, pending, request, keep)]
 
 
@@ -183,10 +196,10 @@ wait_p.def_effectful_abstract_eval(
 )
 
 
-def _wait_lowering(ctx, request, *buffers, operation, comm, params):
+def _wait_lowering(ctx, *operands, operation, comm, params):
     kind = OPERATIONS[operation].kind
-    aliases = {len(buffers): 0} if kind.result else None  # pending, after the request
-    return lower_with_token("jaxcomm_wait", aliases=aliases)(ctx, request, *buffers)
+    aliases = {1 + kind.input: 0} if kind.result else None  # pending, after request and keep
+    return lower_with_token("jaxcomm_wait", aliases=aliases)(ctx, *operands)
 
 
 # -- polling ---------------------------------------------------------------------------
@@ -236,19 +249,24 @@ for _platform in PLATFORMS:
             mlir.register_lowering(_op.start, _host_only, platform=_platform)
 
 
-def _wait_operands(kind: StartBuffers, request, keep, pending) -> list:
-    return [request, *([keep] if kind.input else []), *([pending] if kind.result else [])]
+def _wait_operands(kind: StartBuffers, request, keep, pending, counts=()) -> list:
+    buffers = [request, *([keep] if kind.input else []), *([pending] if kind.result else [])]
+    return [*buffers, *counts]
 
 
-def bind_wait(operation: str, comm: CommInfo, params: dict, request, keep, pending) -> list:
-    operands = _wait_operands(OPERATIONS[operation].kind, request, keep, pending)
+def bind_wait(
+    operation: str, comm: CommInfo, params: dict, request, keep, pending, counts=()
+) -> list:
+    """The wait of a request; `counts`: a variable-size start's (send, received)."""
+    operands = _wait_operands(OPERATIONS[operation].kind, request, keep, pending, counts)
     return wait_p.bind(
         *operands, operation=operation, comm=comm, params=tuple(sorted(params.items()))
     )
 
 
-def wait_now(operation, comm, params, pending, request, keep):
-    """Complete a request posted outside any trace, now."""
+def wait_now(operation, comm, params, pending, request, keep, counts=()):
+    """Complete a request posted outside any trace, now (`counts`, a variable-size
+    start's, serve only its adjoint)."""
     # The result is copied into `pending`: a NumPy array on the direct path. A
     # start that went through JAX's dispatch left a read-only jax.Array there,
     # which may already hold the result (ibcast's root): the wait gets a copy.
@@ -277,13 +295,16 @@ def _start_jvp(operation):
     op = OPERATIONS[operation]
 
     def jvp(primals, tangents, **params):
-        (x,), (t,) = primals, tangents
+        (x, *counts), (t, *_) = primals, tangents
         if differentiable(x):
             _p2p.refuse_derivative_of_reply(operation, params, "differentiating")
-        outs = op.start.bind(x, **params)
+        outs = op.start.bind(x, *counts, **params)
         zeros = [zero_tangent(v) for v in outs]
         if not differentiable(x):
             return outs, zeros
+        if op.kind.counts:  # the tangent's rows travel as x's, to counts now known
+            dots = op.start.bind(instantiate(t), counts[0], outs[-1], **{**params, "exchange": 0})
+            return outs, [*dots[:-1], zeros[-1]]
         if operation == "irecv":
             _p2p.known_source("irecv", params["source"])
             if _p2p.tag_unknown(params["source"], params["tag"]):
@@ -301,10 +322,11 @@ def _start_jvp(operation):
 
 
 def _split_wait_operands(kind: StartBuffers, operands: Sequence[Any]):
+    """(request, keep, pending, counts) of a wait's operands, None where absent."""
     request, *rest = operands
     keep = rest.pop(0) if kind.input else None
     pending = rest.pop(0) if kind.result else None
-    return request, keep, pending
+    return request, keep, pending, tuple(rest)
 
 
 def _nonlinear_tangent(operation, x, y, t, comm, params):
@@ -317,13 +339,16 @@ def _wait_jvp(primals, tangents, *, operation, comm, params):
     kind = OPERATIONS[operation].kind
     outs = wait_p.bind(*primals, operation=operation, comm=comm, params=params)
     zeros = [zero_tangent(v) for v in outs]
-    t_request, t_keep, _ = _split_wait_operands(kind, tangents)
+    t_request, t_keep, _, t_counts = _split_wait_operands(kind, tangents)
+    # The tangent wait's counts are the primal ones (counts have no tangent).
+    buffers = len(primals) - len(t_counts)
+    tangent_wait = [*tangents[:buffers], *primals[buffers:]]
     if not kind.result:
         if type(t_request) is not ad.Zero:
-            wait_p.bind(*tangents, operation=operation, comm=comm, params=params)
+            wait_p.bind(*tangent_wait, operation=operation, comm=comm, params=params)
         return outs, zeros
     if type(t_request) is not ad.Zero:
-        dots = wait_p.bind(*tangents, operation=operation, comm=comm, params=params)
+        dots = wait_p.bind(*tangent_wait, operation=operation, comm=comm, params=params)
         return outs, [dots[0], *zeros[1:]]
     if operation == "irecv" and type(tangents[-1]) is not ad.Zero:  # from ANY_TAG
         t = instantiate(tangents[-1])
@@ -333,7 +358,7 @@ def _wait_jvp(primals, tangents, *, operation, comm, params):
         )
         return outs, [dot, *zeros[1:]]
     if type(t_keep) is not ad.Zero and not _linear(operation, dict(params)):
-        _, keep, _ = _split_wait_operands(kind, primals)
+        _, keep, _, _ = _split_wait_operands(kind, primals)
         dot = _nonlinear_tangent(operation, keep, outs[0], t_keep, comm, dict(params))
         return outs, [dot, *zeros[1:]]
     return outs, zeros
@@ -378,7 +403,15 @@ ADJOINTS: dict[str, Adjoint] = {
     ),
     "isend": Adjoint("irecv", params=_from_dest),
     "irecv": Adjoint("isend", params=_reply),
+    # Back to the senders, with the counts swapped, into x's rows.
+    "ialltoallv": Adjoint("ialltoallv", params=lambda **_: {"exchange": 0}),
 }
+
+
+def _adjoint_params(adjoint: Adjoint, kind: StartBuffers, params: dict, rows: int) -> dict:
+    """The params of `adjoint`'s post for an operation with `params` whose x has
+    `rows` rows (a variable-size adjoint returns that many)."""
+    return {**adjoint.params(**params), **({"capacity": rows} if kind.counts else {})}
 
 
 def _wait_transpose(cts, *operands, operation, comm, params):
@@ -387,7 +420,8 @@ def _wait_transpose(cts, *operands, operation, comm, params):
     adjoint = ADJOINTS[operation]
     ct = instantiate(cts[0]) if kind.result else None
     zero = [ad.Zero(v.aval) for v in operands]
-    request_ct, keep_ct, pending_ct = _split_wait_operands(kind, zero)
+    request_ct, keep_ct, pending_ct, counts_ct = _split_wait_operands(kind, zero)
+    _, keep, _, counts = _split_wait_operands(kind, operands)
     if not _linear(operation, params):
         raise NotImplementedError(f"{operation}: op={params['op'].name} is not linear")
     if adjoint.local is not None:  # to the start's transpose, through keep or pending
@@ -401,10 +435,17 @@ def _wait_transpose(cts, *operands, operation, comm, params):
         source = ct
         if source is None:  # isend: the cotangent comes back into a buffer like x
             source = jnp.zeros(operands[1].aval.shape, operands[1].aval.dtype)
-        a_params = {**adjoint.params(**params), "posted": 0}
+        rows = _rows(keep) if kind.counts else 0
+        a_params = {**_adjoint_params(adjoint, kind, params, rows), "posted": 0}
         if operation == "irecv":  # see _p2p.refuse_derivative_of_reply
             a_params["cotangent"] = True
-        outs = list(target.start.bind(source, comm=comm, **a_params))
+        swapped = ()
+        if kind.counts:  # the adjoint sends what arrived and receives what was sent
+            sent, received = counts
+            if ad.is_undefined_primal(received):  # transposed as written: learn it
+                received = _collectives.alltoall(sent.reshape(comm.size, 1), comm=comm)[:, 0]
+            swapped = (received, sent)
+        outs = list(target.start.bind(source, *swapped, comm=comm, **a_params))
         a_pending = outs.pop(0) if target.kind.result else None
         request_ct = outs.pop(0)
         a_keep = outs.pop(0) if target.kind.input else None
@@ -414,37 +455,49 @@ def _wait_transpose(cts, *operands, operation, comm, params):
             keep_ct = a_pending
         if kind.result:
             pending_ct = a_keep
-    return [
+    present = [
         v
-        for v, present in zip(
+        for v, here in zip(
             (request_ct, keep_ct, pending_ct), (True, kind.input, kind.result), strict=True
         )
-        if present
+        if here
     ]
+    return [*present, *counts_ct]
 
 
 def _start_transpose(operation):
     op = OPERATIONS[operation]
     adjoint = ADJOINTS[operation]
 
-    def transpose(cts, x, *, comm, **params):
+    def transpose(cts, x, *counts, comm, **params):
         cts = list(cts)
         pending_ct = cts.pop(0) if op.kind.result else None
         request_ct = cts.pop(0)
         keep_ct = cts.pop(0) if op.kind.input else None
+        no_counts = [None] * len(counts)
         if adjoint.local is not None:
-            return [instantiate(keep_ct if op.kind.input else pending_ct)]
+            return [instantiate(keep_ct if op.kind.input else pending_ct), *no_counts]
         target = adjoint.operation
         a_kind = OPERATIONS[target].kind
-        a_params = adjoint.params(**params)
+        a_params = _adjoint_params(adjoint, op.kind, params, _rows(x))
+        swapped = ()
+        if op.kind.counts:  # the adjoint sends what arrived and receives what was sent
+            sent, received = counts
+            if params["exchange"]:  # transposed as written: learn what arrived
+                received = _collectives.alltoall(sent.reshape(comm.size, 1), comm=comm)[:, 0]
+            swapped = (received, sent)
         # As the wait's transpose passed them: the adjoint's pending came as keep's
         # cotangent, its kept data as pending's.
-        outs = bind_wait(target, comm, a_params, request_ct, pending_ct, keep_ct)
+        outs = bind_wait(target, comm, a_params, request_ct, pending_ct, keep_ct, swapped)
         if not a_kind.result:
-            return [None]
-        return [adjoint.after(outs[0], comm=comm)]
+            return [None, *no_counts]
+        return [adjoint.after(outs[0], comm=comm), *no_counts]
 
     return transpose
+
+
+def _rows(x) -> int:
+    return (x.aval if ad.is_undefined_primal(x) else x).shape[0]
 
 
 # -- batching: one MPI call for the whole batch, in the blocking op's layout -------------
@@ -455,20 +508,27 @@ def _start_batch(operation):
 
     def rule(args, dims, *, comm, **params):
         _p2p.refuse_derivative_of_reply(operation, params, "batching")
-        (x,), (dim,) = args, dims
-        outs = op.start.bind(move_batch(x, dim, op.batch_in), comm=comm, **params)
+        (x, *counts), (dim, *count_dims) = args, dims
+        if any(d is not None for d in count_dims):
+            raise ValueError(
+                f"{operation}: counts that differ across a vmap batch; give the whole "
+                "batch the same counts, or use the blocking form"
+            )
+        outs = op.start.bind(move_batch(x, dim, op.batch_in), *counts, comm=comm, **params)
         out_dims = [op.batch_out] if op.kind.result else []
-        return outs, [*out_dims, None, *([op.batch_in] if op.kind.input else [])]
+        in_dims = [op.batch_in] if op.kind.input else []
+        return outs, [*out_dims, None, *in_dims, *([None] if op.kind.counts else [])]
 
     return rule
 
 
 def _wait_batch(args, dims, *, operation, comm, params):
     kind = OPERATIONS[operation].kind
-    if dims[0] is not None:
+    request, _, pending, counts = _split_wait_operands(kind, dims)
+    if request is not None or any(d is not None for d in counts):
         raise ValueError(f"wait: the request of {operation} cannot be batched")
     outs = wait_p.bind(*args, operation=operation, comm=comm, params=params)
-    return outs, ([dims[-1]] if kind.result else []) + ([None] if kind.status else [])
+    return outs, ([pending] if kind.result else []) + ([None] if kind.status else [])
 
 
 for _name, _op in OPERATIONS.items():

@@ -42,6 +42,7 @@ class Request:
     __slots__ = (
         "_at_top_level",
         "_comm",
+        "_counts",
         "_leaves",
         "_messages",
         "_params",
@@ -68,6 +69,7 @@ class Request:
         posted=(),
         *,
         now=False,
+        counts=(),
     ):
         self.operation = operation
         self._posted = posted
@@ -78,6 +80,9 @@ class Request:
         self._leaves = leaves
         self._tree = tree
         self._return_status = return_status
+        # A variable-size exchange's (send, received) counts: the wait returns
+        # the received ones beside the rows, and its adjoint takes both.
+        self._counts = counts
         # `now`: posted outside any trace, on concrete arrays (the shortcut's case).
         self._traced = not now and any(
             isinstance(value, core.Tracer) for part in parts for value in part if value is not None
@@ -148,7 +153,7 @@ class Request:
         waits = _wait_traced if self._traced else _nonblocking.wait_now
         results, status = [None] * len(self._leaves), None
         for message, part in zip(self._messages, self._parts, strict=True):
-            out = waits(self.operation, self._comm, self._params, *part)
+            out = waits(self.operation, self._comm, self._params, *part, self._counts)
             if not out:
                 continue
             if len(out) > 1:
@@ -161,6 +166,8 @@ class Request:
         if not _nonblocking.OPERATIONS[self.operation].kind.result:
             return None, None
         result = self._tree.unflatten(results)
+        if self._counts:
+            return (result, self._counts[1]), None
         if not self._return_status:
             return result, None
         if status is None:  # an empty pytree: nothing arrived
@@ -184,8 +191,8 @@ def drop_at_exit() -> None:
         )
 
 
-def _wait_traced(operation, comm, params, pending, request, keep):
-    return _nonblocking.bind_wait(operation, comm, params, request, keep, pending)
+def _wait_traced(operation, comm, params, pending, request, keep, counts=()):
+    return _nonblocking.bind_wait(operation, comm, params, request, keep, pending, counts)
 
 
 def _part(
@@ -255,3 +262,36 @@ def post(
                 "on GPU use the blocking form"
             )
     return start(operation, leaves, tree, comm=comm, return_status=return_status, **params)
+
+
+def post_rows(
+    operation: str, x: Any, counts: Sequence[Any], comm: CommInfo, params: dict
+) -> Request:
+    """Post variable-size `operation` on the rows of array x, with its count
+    operands (send, given), all checked as the blocking form checks them."""
+    op = _nonblocking.OPERATIONS[operation]
+    operands = [x, *counts]
+    direct = _eager.can_run([a for a in operands if not isinstance(a, np.ndarray)])
+    if direct:  # NumPy results, which MPI writes until the wait
+        outputs = _eager.call(op.start, operands, comm, tuple(params.items()))
+        received = _eager.as_array(outputs[-1], x)
+        posted = ()
+    else:
+        number = 0 if at_top_level() else next(_nonblocking.POSTED)
+        outputs = op.start.bind(*operands, comm=comm, posted=number, **params)
+        received = outputs[-1]
+        posted = (number,)
+    part = _part(op.kind, outputs[:-1], x, direct)
+    leaves, tree = flatten(x)
+    return Request(
+        operation,
+        comm,
+        params,
+        _ALONE,
+        [part],
+        leaves,
+        tree,
+        posted=posted,
+        now=direct,
+        counts=(counts[0], received),
+    )

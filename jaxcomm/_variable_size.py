@@ -35,20 +35,20 @@ def _per_rank(comm: CommInfo):
     return core.ShapedArray((comm.size,), np.int32)
 
 
-def _alltoallv_shape(x, send_counts, recv_counts, *, comm, capacity, exchange):
+def _alltoallv_shape(x, send_counts, recv_counts, *, comm, capacity, **_):
     return [_rows(x, capacity), _per_rank(comm)]
 
 
-def _allgatherv_shape(x, count, counts, *, comm, capacity, exchange):
+def _allgatherv_shape(x, count, counts, *, comm, capacity, **_):
     return [_rows(x, capacity), _per_rank(comm)]
 
 
-def _gatherv_shape(x, count, counts, *, comm, root, capacity, exchange):
+def _gatherv_shape(x, count, counts, *, comm, root, capacity, **_):
     # Only the root receives rows.
     return [_rows(x, capacity if comm.rank == root else 0), _per_rank(comm)]
 
 
-def _scatterv_shape(x, counts, count, *, comm, root, capacity, exchange):
+def _scatterv_shape(x, counts, count, *, comm, root, capacity, **_):
     return [_rows(x, capacity), core.ShapedArray((), np.int32)]
 
 

@@ -69,8 +69,17 @@ def _no_counts(size: int) -> np.ndarray:
     return np.zeros(size, np.int32)
 
 
+def _alltoallv_counts(size: int, send_counts: Any, recv_counts: Any) -> tuple[dict, bool]:
+    """alltoallv's count operands by name, and whether the call exchanges them."""
+    exchange = recv_counts is None
+    recv = _no_counts(size) if exchange else recv_counts
+    return {"send_counts": send_counts, "recv_counts": recv}, exchange
+
+
 #: Parameters of blocking methods that their non-blocking forms do not take.
 _BLOCKING_ONLY = ("in_place",)
+# Non-blocking variable-size exchanges: x's rows and their count operands.
+_POSTED_ROWS = ("ialltoallv",)
 
 
 def _nonblocking_method(
@@ -103,6 +112,8 @@ def _nonblocking_method(
         params = defaults | dict(zip(positional(len(args), tuple(kwargs)), args, strict=True))
         params.update(kwargs)
         self, x = params.pop("self"), params.pop("x")
+        if operation in _POSTED_ROWS:
+            return self._post_rows(operation, x, **params)
         return_status = params.pop("return_status", False)
         return _requests.post(operation, x, self._comm, params, return_status)
 
@@ -297,7 +308,16 @@ class JaxComm:
     ) -> tuple[jax.Array, jax.Array]:
         """A variable-size exchange of x's rows (jaxcomm._variable_size), its count
         operands by name in order: all checked, then run."""
-        comm, operation = self._comm, primitive.operation
+        operands = self._rows_operands(primitive.operation, x, counts, params)
+        y, received = _dispatch.apply_to_arrays(primitive, operands, self._comm, params)
+        return y, received
+
+    def _rows_operands(
+        self, operation: str, x: Any, counts: dict[str, Any], params: dict[str, Any]
+    ) -> list[Any]:
+        """x and the count operands of a variable-size exchange, checked, and its
+        `params` checked in place."""
+        comm = self._comm
         (x,) = _checks.arrays(operation, [x])
         if x.ndim == 0:
             raise ValueError(f"{operation}: x must have a leading axis of rows, got shape ()")
@@ -311,8 +331,7 @@ class JaxComm:
             _checks.counts(operation, name, value, None if name == "count" else comm.size)
             for name, value in counts.items()
         ]
-        y, received = _dispatch.apply_to_arrays(primitive, [x, *operands], comm, params)
-        return y, received
+        return [x, *operands]
 
     def alltoallv(
         self,
@@ -336,15 +355,19 @@ class JaxComm:
         is an error on that rank, which keeps none of them; the other ranks get
         their rows.
         """
-        exchange = recv_counts is None
-        recv = _no_counts(self.size) if exchange else recv_counts
+        send_and_recv, exchange = _alltoallv_counts(self.size, send_counts, recv_counts)
         return self._variable_size(
-            _variable_size.alltoallv_p,
-            x,
-            {"send_counts": send_counts, "recv_counts": recv},
-            capacity=capacity,
-            exchange=exchange,
+            _variable_size.alltoallv_p, x, send_and_recv, capacity=capacity, exchange=exchange
         )
+
+    def _post_rows(
+        self, operation: str, x: Any, send_counts: ArrayLike, *, capacity: int, recv_counts=None
+    ) -> Request:
+        """Post a variable-size exchange (ialltoallv), checked as its blocking twin."""
+        send_and_recv, exchange = _alltoallv_counts(self.size, send_counts, recv_counts)
+        params: dict[str, Any] = {"capacity": capacity, "exchange": exchange}
+        x, *operands = self._rows_operands(operation, x, send_and_recv, params)
+        return _requests.post_rows(operation, x, operands, self._comm, params)
 
     def allgatherv(
         self, x: jax.Array, *, capacity: int, count: ArrayLike | None = None
@@ -471,11 +494,20 @@ class JaxComm:
     ialltoall = _nonblocking_method(
         alltoall, "Post alltoall (x: ``(size, *s)``); ``wait`` returns ``(size, *s)``."
     )
+    ialltoallv = _nonblocking_method(
+        alltoallv,
+        "Post alltoallv (MPI_Ialltoallv); ``wait`` returns ``(y, recv_counts)``. The counts "
+        "are known at the post: without ``recv_counts`` the post first exchanges them (one "
+        "blocking ``MPI_Alltoall`` of ``size`` integers), so give them to overlap the whole "
+        "exchange. An overflow of ``capacity`` or invalid ``send_counts`` are the wait's "
+        "error, on that rank.",
+    )
     isend = _nonblocking_method(
         send,
         "Post a send of x to dest; ``wait`` returns None. MPI sends a copy of x that "
         "jaxcomm keeps until the message has left.",
     )
+
     irecv = _nonblocking_method(
         recv,
         "Post a receive into arrays shaped like x (a template); ``wait`` returns the "

@@ -65,6 +65,7 @@ def test_debug_log_names_every_operation_as_the_cpp_table_does(tmp_path):
             getattr(comm, name)(x)
         comm.reduce_scatter(rows), comm.alltoall(rows)
         comm.alltoallv(rows, [1] * comm.size, capacity=comm.size)
+        comm.wait(comm.ialltoallv(rows, [1] * comm.size, capacity=comm.size))
         comm.allgatherv(x, capacity=2 * comm.size), comm.gatherv(x, capacity=2 * comm.size)
         comm.scatterv(rows if comm.rank == 0 else rows[:0], [1] * comm.size, capacity=1)
         with comm.create_cart([comm.size], [True]) as cart:

@@ -154,6 +154,12 @@ CASES = {
     "ibcast": (lambda c, x: c.wait(c.ibcast(x, root=c.size - 1)), True),
     "iallgather": (lambda c, x: c.wait(c.iallgather(x[0])), True),
     "ialltoall": (lambda c, x: c.wait(c.ialltoall(x)), False),
+    "ialltoallv": (
+        lambda c, x: c.wait(
+            c.ialltoallv(x, [(c.rank + d) % 2 for d in range(c.size)], capacity=c.size)
+        )[0],
+        False,
+    ),
     "ireduce_scatter_sum": (lambda c, x: c.wait(c.ireduce_scatter(x)), False),
     "ireduce_scatter_max": (lambda c, x: c.wait(c.ireduce_scatter(x, op=MPI.MAX)), False),
     "isend_irecv_ring": (lambda c, x: isend_irecv_ring(c, x), False),

@@ -1,5 +1,6 @@
-"""alltoallv against a NumPy reference: every rank's counts and rows are derived
-from its rank, so each rank computes what every other rank sends it."""
+"""alltoallv and ialltoallv against a NumPy reference: every rank's counts and
+rows are derived from its rank, so each rank computes what every other rank
+sends it."""
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,14 @@ def nothing_from_one(source: int, size: int) -> list[int]:
 
 
 PATTERNS = {"uniform": uniform, "skewed": skewed, "zeros": nothing_from_one}
+FORMS = ["alltoallv", "ialltoallv"]
+
+
+def alltoallv_as(form: str, comm: JaxComm):
+    """comm.alltoallv, or its non-blocking form posted and waited."""
+    if form == "alltoallv":
+        return comm.alltoallv
+    return lambda x, counts, **kw: comm.wait(comm.ialltoallv(x, counts, **kw))
 
 
 def rows_of(source: int, counts: list[int], dtype="float32", row=(2,)) -> np.ndarray:
@@ -51,12 +60,14 @@ def capacity_for(size: int, pattern) -> int:
     return max(sum(pattern(s, size)[r] for s in range(size)) for r in range(size)) + 1
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_values_match_numpy(comm, pattern, mode):
+def test_values_match_numpy(comm, form, pattern, mode):
+    alltoallv = alltoallv_as(form, comm)
     counts = PATTERNS[pattern](comm.rank, comm.size)
     capacity = capacity_for(comm.size, PATTERNS[pattern])
-    call = lambda x, c: comm.alltoallv(x, c, capacity=capacity)  # noqa: E731
+    call = lambda x, c: alltoallv(x, c, capacity=capacity)  # noqa: E731
     fn = jax.jit(call) if mode == "jit" else call
     y, got = fn(jnp.asarray(rows_of(comm.rank, counts)), np.array(counts))
     want, want_counts = expected(comm.rank, comm.size, PATTERNS[pattern], capacity)
@@ -64,33 +75,39 @@ def test_values_match_numpy(comm, pattern, mode):
     assert_values(got, want_counts)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_dtype(comm, dtype):
+def test_every_dtype(comm, form, dtype):
+    alltoallv = alltoallv_as(form, comm)
     counts = skewed(comm.rank, comm.size)
     capacity = capacity_for(comm.size, skewed)
     x = jnp.asarray(rows_of(comm.rank, counts, dtype, row=(3, 2)))
-    y, _ = jax.jit(lambda x: comm.alltoallv(x, np.array(counts), capacity=capacity))(x)
+    y, _ = jax.jit(lambda x: alltoallv(x, np.array(counts), capacity=capacity))(x)
     assert_values(y, expected(comm.rank, comm.size, skewed, capacity, dtype, (3, 2))[0])
 
 
-def test_given_recv_counts_skip_the_exchange(comm):
+@pytest.mark.parametrize("form", FORMS)
+def test_given_recv_counts_skip_the_exchange(comm, form):
+    alltoallv = alltoallv_as(form, comm)
     counts = skewed(comm.rank, comm.size)
     capacity = capacity_for(comm.size, skewed)
     want, want_counts = expected(comm.rank, comm.size, skewed, capacity)
     x = jnp.asarray(rows_of(comm.rank, counts))
-    y, got = comm.alltoallv(x, counts, capacity=capacity, recv_counts=want_counts)
+    y, got = alltoallv(x, counts, capacity=capacity, recv_counts=want_counts)
     assert_values(y, want)
     assert_values(got, want_counts)
 
 
-def test_traced_counts_change_without_recompiling(comm):
+@pytest.mark.parametrize("form", FORMS)
+def test_traced_counts_change_without_recompiling(comm, form):
+    alltoallv = alltoallv_as(form, comm)
     traces = []
 
     @jax.jit
     def step(x, shift):
         traces.append(1)
         counts = (jnp.arange(comm.size) + comm.rank + shift) % 3
-        return comm.alltoallv(x, counts, capacity=3 * comm.size)
+        return alltoallv(x, counts, capacity=3 * comm.size)
 
     x = jnp.asarray(rank_data(comm.rank, (2 * comm.size, 2)))
     for shift in range(3):
@@ -110,23 +127,27 @@ def test_traced_counts_change_without_recompiling(comm):
     assert len(traces) == 1
 
 
-def test_zero_size_rows_and_no_rows(comm):
+@pytest.mark.parametrize("form", FORMS)
+def test_zero_size_rows_and_no_rows(comm, form):
+    alltoallv = alltoallv_as(form, comm)
     counts = [1] * comm.size
-    y, got = comm.alltoallv(jnp.zeros((comm.size, 0)), counts, capacity=comm.size)
+    y, got = alltoallv(jnp.zeros((comm.size, 0)), counts, capacity=comm.size)
     assert y.shape == (comm.size, 0)
     assert_values(got, np.ones(comm.size, np.int32))
-    y, got = jax.jit(lambda x: comm.alltoallv(x, [0] * comm.size, capacity=0))(jnp.zeros((0, 2)))
+    y, got = jax.jit(lambda x: alltoallv(x, [0] * comm.size, capacity=0))(jnp.zeros((0, 2)))
     assert y.shape == (0, 2)
     assert_values(got, np.zeros(comm.size, np.int32))
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("mode", ["eager", "jit"])
-def test_overflow_is_an_error_on_the_rank_that_overflows_only(comm, mode):
+def test_overflow_is_an_error_on_the_rank_that_overflows_only(comm, form, mode):
     """Rank 0 gets one more row than its capacity; the others still get theirs,
     and the next call on every rank works."""
+    alltoallv = alltoallv_as(form, comm)
     counts = [1] * comm.size
     capacity = comm.size - 1 if comm.rank == 0 else comm.size
-    call = lambda x: comm.alltoallv(x, counts, capacity=capacity)  # noqa: E731
+    call = lambda x: alltoallv(x, counts, capacity=capacity)  # noqa: E731
     fn = jax.jit(call) if mode == "jit" else call
     x = jnp.asarray(rank_data(comm.rank, (comm.size, 2)))
     if comm.rank == 0:
@@ -136,25 +157,28 @@ def test_overflow_is_an_error_on_the_rank_that_overflows_only(comm, mode):
         y, _ = fn(x)
         want = np.stack([rank_data(s, (comm.size, 2))[comm.rank] for s in range(comm.size)])
         assert_values(y, want)
-    y, _ = comm.alltoallv(x, counts, capacity=comm.size)
+    y, _ = alltoallv(x, counts, capacity=comm.size)
     assert_values(y[0], rank_data(0, (comm.size, 2))[comm.rank])
 
 
-def test_more_send_counts_than_rows_is_an_error_on_that_rank(comm):
+@pytest.mark.parametrize("form", FORMS)
+def test_more_send_counts_than_rows_is_an_error_on_that_rank(comm, form):
+    alltoallv = alltoallv_as(form, comm)
     counts = [1] * comm.size
     rows = comm.size - 1 if comm.rank == comm.size - 1 else comm.size
     x = jnp.asarray(rank_data(comm.rank, (rows, 2)))
     if comm.rank == comm.size - 1:
         with pytest.raises(Exception, match=r"send_counts=\[.*\] must be non-negative and add up"):
-            jax.block_until_ready(comm.alltoallv(x, counts, capacity=comm.size))
+            jax.block_until_ready(alltoallv(x, counts, capacity=comm.size))
     else:
-        _, got = comm.alltoallv(x, counts, capacity=comm.size)
+        _, got = alltoallv(x, counts, capacity=comm.size)
         # The failing rank sent nothing.
         assert int(got[comm.size - 1]) == 0
     comm.barrier()
 
 
-def test_checking_mode_names_recv_counts_that_do_not_match(comm):
+@pytest.mark.parametrize("form", FORMS)
+def test_checking_mode_names_recv_counts_that_do_not_match(comm, form):
     checking = JaxComm(comm.mpi, check=True)
     counts = [1] * comm.size
     wrong = np.ones(comm.size, np.int32)
@@ -162,7 +186,9 @@ def test_checking_mode_names_recv_counts_that_do_not_match(comm):
     x = jnp.asarray(rank_data(comm.rank, (comm.size, 2)))
     message = r"recv_counts=\[.*\] but the ranks send" if comm.rank == 0 else "another rank"
     with pytest.raises(Exception, match=message):
-        jax.block_until_ready(checking.alltoallv(x, counts, capacity=comm.size, recv_counts=wrong))
+        jax.block_until_ready(
+            alltoallv_as(form, checking)(x, counts, capacity=comm.size, recv_counts=wrong)
+        )
     checking.free()
 
 
@@ -184,15 +210,17 @@ def loss_weights(capacity):
     return 1.0 + jnp.arange(capacity * 2, dtype=jnp.float32).reshape(capacity, 2) / 7
 
 
-def test_grad_sends_each_row_back_where_it_came_from(comm):
+@pytest.mark.parametrize("form", FORMS)
+def test_grad_sends_each_row_back_where_it_came_from(comm, form):
     """d/dx sum(y * w): each row of x gets the weights of the row it became."""
+    alltoallv = alltoallv_as(form, comm)
     counts = skewed(comm.rank, comm.size)
     capacity = capacity_for(comm.size, skewed)
     x = jnp.asarray(rows_of(comm.rank, counts))
     w = loss_weights(capacity) * (comm.rank + 1)
 
     def loss(x):
-        return jnp.sum(comm.alltoallv(x, counts, capacity=capacity)[0] * w)
+        return jnp.sum(alltoallv(x, counts, capacity=capacity)[0] * w)
 
     grad = jax.jit(jax.grad(loss))(x)
     want = np.zeros(x.shape, np.float32)
@@ -226,11 +254,47 @@ def test_jvp_and_vmap(comm):
         assert_values(batched[1][b], want[1])
 
 
-def test_linear_transpose_learns_the_counts(comm):
+def test_ialltoallv_jvp_and_vmap(comm):
+    counts = uniform(comm.rank, comm.size)
+    capacity = capacity_for(comm.size, uniform)
+    posted = lambda x: comm.wait(comm.ialltoallv(x, counts, capacity=capacity))[0]  # noqa: E731
+    blocking = lambda x: comm.alltoallv(x, counts, capacity=capacity)[0]  # noqa: E731
+    x = jnp.asarray(rows_of(comm.rank, counts))
+    t = jnp.asarray(rows_of(comm.rank + 7, counts))
+    y, dy = jax.jit(lambda x, t: jax.jvp(posted, (x,), (t,)))(x, t)
+    assert_values(y, blocking(x))
+    assert_values(dy, blocking(t))
+    batch = jnp.stack([x, 2 * x, t])
+    assert_values(jax.jit(jax.vmap(posted))(batch), jax.vmap(blocking)(batch))
+    others = np.array([counts, [1] * comm.size, [0] * comm.size], np.int32)
+    with pytest.raises(ValueError, match="ialltoallv: counts that differ across a vmap batch"):
+        jax.vmap(lambda x, c: comm.wait(comm.ialltoallv(x, c, capacity=capacity)))(batch, others)
+
+
+def test_ialltoallv_overlaps_computation_in_a_loop(comm):
+    """Post with known counts, compute, wait: every step of a jitted loop."""
+    counts = np.array(skewed(comm.rank, comm.size), np.int32)
+    capacity = capacity_for(comm.size, skewed)
+    want, want_counts = expected(comm.rank, comm.size, skewed, capacity)
+    x = jnp.asarray(rows_of(comm.rank, list(counts)))
+
+    def step(i, total):
+        request = comm.ialltoallv(x, counts, capacity=capacity, recv_counts=want_counts)
+        busy = jnp.sum(jnp.sin(x + i))  # meanwhile
+        y, got = comm.wait(request)
+        return total + y + 0 * busy + 0 * jnp.sum(got)
+
+    total = jax.jit(lambda: jax.lax.fori_loop(0, 3, step, jnp.zeros_like(want)))()
+    assert_values(total, 3 * want)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_linear_transpose_learns_the_counts(comm, form):
+    alltoallv = alltoallv_as(form, comm)
     counts = skewed(comm.rank, comm.size)
     capacity = capacity_for(comm.size, skewed)
     x = jnp.asarray(rows_of(comm.rank, counts))
-    fn = lambda x: comm.alltoallv(x, counts, capacity=capacity)[0]  # noqa: E731
+    fn = lambda x: alltoallv(x, counts, capacity=capacity)[0]  # noqa: E731
     (back,) = jax.linear_transpose(fn, x)(fn(x))
     want = np.asarray(x).copy()
     want[sum(counts) :] = 0  # the spare row was not sent

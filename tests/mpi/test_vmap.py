@@ -41,6 +41,9 @@ CASES = {
     "alltoallv": lambda c, x: c.alltoallv(
         x, [(c.rank + d) % 2 for d in range(c.size)], capacity=c.size
     )[0],
+    "ialltoallv": lambda c, x: c.wait(
+        c.ialltoallv(x, [(c.rank + d) % 2 for d in range(c.size)], capacity=c.size)
+    )[0],
     "allgatherv": lambda c, x: c.allgatherv(x, capacity=2 * c.size, count=1)[0],
     "gatherv": lambda c, x: c.gatherv(x, 0, capacity=c.size * c.size)[0],
     "scatterv": lambda c, x: c.scatterv(x, [1] * c.size if c.rank == 0 else None, 0, capacity=2)[0],
