@@ -1,16 +1,17 @@
-// The variable-size exchanges on host memory: alltoallv, allgatherv, gatherv and
-// scatterv, each MPI's own function on rows of x (its elements past the leading
-// axis), with a static capacity of rows for the result. The counts are int32
-// buffers, so they may change from call to call; unless the caller gives them
-// (`exchange` 0, as the AD rules do), one small collective of the counts comes
-// first. Checking mode compares given counts with the exchanged ones on every
-// rank at once.
+// The variable-size exchanges on host memory: alltoallv (and ialltoallv),
+// allgatherv, gatherv and scatterv, each MPI's own function on rows of x (its
+// elements past the leading axis), with a static capacity of rows for the
+// result. The counts are int32 buffers, so they may change from call to call;
+// unless the caller gives them (`exchange` 0, as the AD rules do), one small
+// collective of the counts comes first. Checking mode compares given counts
+// with the exchanged ones on every rank at once.
 //
 // Every rank takes part in the data exchange whatever its own counts are, so that
 // no rank waits for another: a rank whose counts are invalid sends no rows, and a
 // rank whose incoming rows exceed its capacity receives them into a scratch
 // buffer; each then returns an error that names its counts. Rows of the result
-// past those received are zeros.
+// past those received are zeros. Only beyond 2^31 - 1 rows, which no int counts,
+// does a rank call MPI 4's large-count form (MPI_Alltoallv_c, ...).
 #include "variable_size.h"
 
 #include <mpi.h>
@@ -27,20 +28,18 @@
 #include "requests.h"
 #include "started.h"
 
+// MPI 4 has large-count forms of the variable-size functions (MPI_Alltoallv_c, ...).
+#define JAXCOMM_LARGE_COUNTS (MPI_VERSION >= 4)
+
 namespace jaxcomm::mpi {
 namespace {
+
+constexpr bool kLargeCounts = JAXCOMM_LARGE_COUNTS;
 
 std::string counts_text(const std::vector<int>& counts) {
   std::string text = "[";
   for (size_t i = 0; i < counts.size(); ++i) text += (i ? ", " : "") + std::to_string(counts[i]);
   return text + "]";
-}
-
-// Exclusive prefix sums: where each rank's rows start.
-std::vector<int> displacements(const std::vector<int>& counts) {
-  std::vector<int> starts(counts.size(), 0);
-  for (size_t i = 1; i < counts.size(); ++i) starts[i] = starts[i - 1] + counts[i - 1];
-  return starts;
 }
 
 int64_t sum(const std::vector<int>& counts) {
@@ -53,6 +52,76 @@ std::vector<int> int32s(const Buffer& b, size_t n) {
   const int32_t* data = static_cast<const int32_t*>(b.untyped_data());
   return std::vector<int>(data, data + n);
 }
+
+// Counts of rows and where each rank's rows start, of the types MPI's function
+// takes: ints, or MPI 4's MPI_Count and MPI_Aint (the _c functions) beyond int.
+template <typename C, typename S>
+struct Counted {
+  using Count = C;
+  using Start = S;
+  std::vector<Count> counts;
+  std::vector<Start> starts;
+};
+using IntCounts = Counted<int, int>;
+
+// MPI's variable-size functions, each by the type of its counts.
+int alltoallv(const void* in, const IntCounts& send, void* out, const IntCounts& recv,
+              MPI_Datatype type, MPI_Comm comm) {
+  return MPI_Alltoallv(in, send.counts.data(), send.starts.data(), type, out, recv.counts.data(),
+                       recv.starts.data(), type, comm);
+}
+int allgatherv(const void* in, int count, void* out, const IntCounts& recv, MPI_Datatype type,
+               MPI_Comm comm) {
+  return MPI_Allgatherv(in, count, type, out, recv.counts.data(), recv.starts.data(), type, comm);
+}
+int gatherv(const void* in, int count, void* out, const IntCounts& recv, MPI_Datatype type,
+            int root, MPI_Comm comm) {
+  return MPI_Gatherv(in, count, type, out, recv.counts.data(), recv.starts.data(), type, root,
+                     comm);
+}
+int scatterv(const void* in, const IntCounts& send, void* out, int count, MPI_Datatype type,
+             int root, MPI_Comm comm) {
+  return MPI_Scatterv(in, send.counts.data(), send.starts.data(), type, out, count, type, root,
+                      comm);
+}
+// ialltoallv's counts and starts must outlive the request: they point into
+// buffers the pending request owns.
+int ialltoallv(const void* in, const int* send_counts, const int* send_starts, void* out,
+               const int* recv_counts, const int* recv_starts, MPI_Datatype type, MPI_Comm comm,
+               MPI_Request* request) {
+  return MPI_Ialltoallv(in, send_counts, send_starts, type, out, recv_counts, recv_starts, type,
+                        comm, request);
+}
+
+#if JAXCOMM_LARGE_COUNTS
+using LargeCounts = Counted<MPI_Count, MPI_Aint>;
+
+int alltoallv(const void* in, const LargeCounts& send, void* out, const LargeCounts& recv,
+              MPI_Datatype type, MPI_Comm comm) {
+  return MPI_Alltoallv_c(in, send.counts.data(), send.starts.data(), type, out, recv.counts.data(),
+                         recv.starts.data(), type, comm);
+}
+int allgatherv(const void* in, MPI_Count count, void* out, const LargeCounts& recv,
+               MPI_Datatype type, MPI_Comm comm) {
+  return MPI_Allgatherv_c(in, count, type, out, recv.counts.data(), recv.starts.data(), type, comm);
+}
+int gatherv(const void* in, MPI_Count count, void* out, const LargeCounts& recv, MPI_Datatype type,
+            int root, MPI_Comm comm) {
+  return MPI_Gatherv_c(in, count, type, out, recv.counts.data(), recv.starts.data(), type, root,
+                       comm);
+}
+int scatterv(const void* in, const LargeCounts& send, void* out, MPI_Count count, MPI_Datatype type,
+             int root, MPI_Comm comm) {
+  return MPI_Scatterv_c(in, send.counts.data(), send.starts.data(), type, out, count, type, root,
+                        comm);
+}
+int ialltoallv(const void* in, const MPI_Count* send_counts, const MPI_Aint* send_starts, void* out,
+               const MPI_Count* recv_counts, const MPI_Aint* recv_starts, MPI_Datatype type,
+               MPI_Comm comm, MPI_Request* request) {
+  return MPI_Ialltoallv_c(in, send_counts, send_starts, type, out, recv_counts, recv_starts, type,
+                          comm, request);
+}
+#endif
 
 // x's rows: how many x has, the unit in which MPI counts them (fit), and where
 // `out` is; what every variable-size exchange starts with. Checking mode agrees
@@ -86,27 +155,54 @@ class Rows {
   Rows(const Rows&) = delete;
   Rows& operator=(const Rows&) = delete;
 
-  // Chooses the unit of counts for an exchange in which this rank receives
-  // `total` rows: the element, as a C program would count, unless that
-  // overflows an int; then a datatype of one row. (MPI matches the elements
-  // either way.) An error beyond 2^31 - 1 rows.
-  ffi::Error fit(int64_t total) {
-    if (total > kMaxCount) return invalid_argument(call_.operation(), "more than 2^31 - 1 rows");
-    if (std::max(rows_, total) * elements_ > kMaxCount && row_ == MPI_DATATYPE_NULL) {
+  // Chooses the unit of counts for an exchange in which this rank sends `sent`
+  // rows and receives `received`: the element, as a C program would count,
+  // unless that overflows an int; then a datatype of one row. (MPI matches the
+  // elements either way.) Beyond 2^31 - 1 rows, elements in MPI 4's large counts
+  // (the _c functions), or an error where the MPI library predates them.
+  ffi::Error fit(int64_t sent, int64_t received) {
+    const int64_t most = std::max(sent, received);
+    if (most > kMaxCount) {
+      if (!kLargeCounts)
+        return invalid_argument(call_.operation(),
+                                "more than 2^31 - 1 rows in one exchange (the MPI library has "
+                                "no large-count functions: MPI 4's MPI_Alltoallv_c, ...)");
+      large_ = true;
+      return ffi::Error::Success();
+    }
+    if (most * elements_ > kMaxCount && row_ == MPI_DATATYPE_NULL) {
       MPI_Type_contiguous(static_cast<int>(elements_), base_, &row_);
       MPI_Type_commit(&row_);
     }
     return ffi::Error::Success();
   }
   MPI_Datatype type() const { return row_ != MPI_DATATYPE_NULL ? row_ : base_; }
-  // Counts of rows in the unit that fit chose.
-  int units(int rows) const {
-    return row_ != MPI_DATATYPE_NULL ? rows : static_cast<int>(rows * elements_);
+
+  // Calls `exchange` with an empty Counted of the type whose counts MPI takes in
+  // the unit that fit chose (IntCounts, or LargeCounts for the _c functions).
+  template <typename Exchange>
+  int in_units(Exchange&& exchange) const {
+#if JAXCOMM_LARGE_COUNTS
+    if (large_) return exchange(LargeCounts{});
+#endif
+    return exchange(IntCounts{});
   }
-  std::vector<int> units(const std::vector<int>& rows) const {
-    std::vector<int> scaled(rows.size());
-    for (size_t i = 0; i < rows.size(); ++i) scaled[i] = units(rows[i]);
-    return scaled;
+  // `rows` in the unit that fit chose, as a count of type Count.
+  template <typename Count>
+  Count unit(int64_t rows) const {
+    return static_cast<Count>(row_ != MPI_DATATYPE_NULL ? rows : rows * elements_);
+  }
+  // Counts of rows, and where each rank's rows start, in that unit.
+  template <typename Counts>
+  Counts counted(const std::vector<int>& rows) const {
+    Counts out;
+    typename Counts::Start start = 0;
+    for (int r : rows) {
+      out.counts.push_back(unit<typename Counts::Count>(r));
+      out.starts.push_back(start);
+      start += out.counts.back();
+    }
+    return out;
   }
 
   ffi::Error take_error() { return std::move(error_); }
@@ -189,6 +285,7 @@ class Rows {
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Datatype base_ = MPI_DATATYPE_NULL, row_ = MPI_DATATYPE_NULL;
   int64_t rows_ = 0, elements_ = 0, bytes_ = 0;
+  bool large_ = false;  // counts beyond int: MPI 4's _c functions
   std::vector<char> scratch_;
 };
 
@@ -246,7 +343,13 @@ ffi::Error alltoallv_counts(Call& call, Rows& rows, const Buffer& send_counts,
     counts.receiving = given;
   }
   counts.total = sum(counts.receiving);
-  return rows.fit(counts.total);
+  return rows.fit(sum(counts.sending), counts.total);
+}
+
+// A copy of `values` in a buffer of `pending`'s, for MPI to read until it completes.
+template <typename T>
+const T* owned(Pending& pending, const std::vector<T>& values) {
+  return reinterpret_cast<const T*>(pending.own_copy(values.data(), values.size() * sizeof(T)));
 }
 
 }  // namespace
@@ -260,11 +363,12 @@ ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, T
   if (auto err = alltoallv_counts(call, rows, send_counts, given_counts, exchange, check, counts);
       err.failure())
     return err;
-  const std::vector<int> send = rows.units(counts.sending), recv = rows.units(counts.receiving);
-  JAXCOMM_CHECK_MPI(MPI_Alltoallv(x.untyped_data(), send.data(), displacements(send).data(),
-                                  rows.type(), rows.destination(counts.total), recv.data(),
-                                  displacements(recv).data(), rows.type(), rows.comm()),
-                    call.operation(), rows.comm());
+  char* into = rows.destination(counts.total);
+  const int code = rows.in_units([&]<typename Counts>(Counts) {
+    return alltoallv(x.untyped_data(), rows.counted<Counts>(counts.sending), into,
+                     rows.counted<Counts>(counts.receiving), rows.type(), rows.comm());
+  });
+  JAXCOMM_CHECK_MPI(code, call.operation(), rows.comm());
   return rows.finish(recv_counts, counts.receiving, counts.total, counts.bad, "send_counts",
                      counts.asked);
 }
@@ -287,14 +391,6 @@ ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, 
     return err;
   rows.write_counts(recv_counts, counts.receiving);
   Pending pending{call.operation(), comm_key, check};
-  auto owned_ints = [&](const std::vector<int>& values) {
-    return reinterpret_cast<int*>(pending.own_copy(values.data(), values.size() * sizeof(int)));
-  };
-  const std::vector<int> send = rows.units(counts.sending), recv = rows.units(counts.receiving);
-  int* send_units = owned_ints(send);
-  int* send_starts = owned_ints(displacements(send));
-  int* recv_units = owned_ints(recv);
-  int* recv_starts = owned_ints(displacements(recv));
   const char* in = pending.own_copy(x.untyped_data(), x.size_bytes());
   char* result = pending.own_result(out->size_bytes());
   const bool overflow = counts.total > out->dimensions()[0];
@@ -306,10 +402,14 @@ ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, 
                                          counts.asked)](Call&, const MPI_Status*, int32_t*) {
     return error;
   };
-  JAXCOMM_CHECK_MPI(
-      MPI_Ialltoallv(in, send_units, send_starts, rows.type(), into, recv_units, recv_starts,
-                     rows.type(), rows.comm(), &pending.requests.emplace_back()),
-      call.operation(), rows.comm());
+  const int code = rows.in_units([&]<typename Counts>(Counts) {
+    const Counts send = rows.counted<Counts>(counts.sending);
+    const Counts recv = rows.counted<Counts>(counts.receiving);
+    return ialltoallv(in, owned(pending, send.counts), owned(pending, send.starts), into,
+                      owned(pending, recv.counts), owned(pending, recv.starts), rows.type(),
+                      rows.comm(), &pending.requests.emplace_back());
+  });
+  JAXCOMM_CHECK_MPI(code, call.operation(), rows.comm());
   return post(request->untyped_data(), std::move(pending));
 }
 
@@ -334,12 +434,13 @@ ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenO
     counts = given;
   }
   const int64_t total = sum(counts);
-  if (auto err = rows.fit(total); err.failure()) return err;
-  const std::vector<int> units = rows.units(counts);
-  JAXCOMM_CHECK_MPI(
-      MPI_Allgatherv(x.untyped_data(), rows.units(sending), rows.type(), rows.destination(total),
-                     units.data(), displacements(units).data(), rows.type(), comm),
-      call.operation(), comm);
+  if (auto err = rows.fit(sending, total); err.failure()) return err;
+  char* into = rows.destination(total);
+  const int code = rows.in_units([&]<typename Counts>(Counts) {
+    return allgatherv(x.untyped_data(), rows.unit<typename Counts::Count>(sending), into,
+                      rows.counted<Counts>(counts), rows.type(), comm);
+  });
+  JAXCOMM_CHECK_MPI(code, call.operation(), comm);
   return rows.finish(counts_out, counts, total, bad, "count", {asked});
 }
 
@@ -371,12 +472,13 @@ ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
     if (is_root) counts = int32s(given_counts, size);
   }
   const int64_t total = is_root ? sum(counts) : 0;
-  if (auto err = rows.fit(total); err.failure()) return err;
-  const std::vector<int> units = rows.units(counts);
-  JAXCOMM_CHECK_MPI(
-      MPI_Gatherv(x.untyped_data(), rows.units(sending), rows.type(), rows.destination(total),
-                  units.data(), displacements(units).data(), rows.type(), root, comm),
-      call.operation(), comm);
+  if (auto err = rows.fit(sending, total); err.failure()) return err;
+  char* into = rows.destination(total);
+  const int code = rows.in_units([&]<typename Counts>(Counts) {
+    return gatherv(x.untyped_data(), rows.unit<typename Counts::Count>(sending), into,
+                   rows.counted<Counts>(counts), rows.type(), root, comm);
+  });
+  JAXCOMM_CHECK_MPI(code, call.operation(), comm);
   if (!is_root) {
     counts.assign(size, 0);
     counts[rank] = sending;
@@ -410,12 +512,13 @@ ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut
         return err;
     receiving = given;
   }
-  if (auto err = rows.fit(receiving); err.failure()) return err;
-  const std::vector<int> units = rows.units(sending);
-  JAXCOMM_CHECK_MPI(
-      MPI_Scatterv(x.untyped_data(), units.data(), displacements(units).data(), rows.type(),
-                   rows.destination(receiving), rows.units(receiving), rows.type(), root, comm),
-      call.operation(), comm);
+  if (auto err = rows.fit(sum(sending), receiving); err.failure()) return err;
+  char* into = rows.destination(receiving);
+  const int code = rows.in_units([&]<typename Counts>(Counts) {
+    return scatterv(x.untyped_data(), rows.counted<Counts>(sending), into,
+                    rows.unit<typename Counts::Count>(receiving), rows.type(), root, comm);
+  });
+  JAXCOMM_CHECK_MPI(code, call.operation(), comm);
   return rows.finish(count_out, {receiving}, receiving, bad, "counts", asked);
 }
 

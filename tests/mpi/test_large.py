@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxcomm import _native
+
 N = 2**31 + 3
 
 
@@ -57,3 +59,32 @@ def test_alltoallv_over_int_max_elements(comm):
     assert np.asarray(got).tolist() == counts
     assert np.asarray(y[:, :4]).tolist() == np.asarray(y[:, -4:]).tolist() == [[other + 1] * 4] * 2
     assert bool(jnp.all(y == other + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["alltoallv", "ialltoallv"])
+def test_alltoallv_over_int_max_rows(comm, form):
+    """Rank 0 receives 2**31 + 8 one-byte rows, half from each rank: more rows
+    than an int counts, so MPI 4's large-count MPI_Alltoallv_c (or
+    MPI_Ialltoallv_c) carries them."""
+    if comm.size != 2:
+        pytest.skip("run on 2 ranks only: 3 GiB on rank 0")
+    if _native.cpu.MPI_VERSION < 4:
+        pytest.skip("the MPI library has no large-count functions (MPI 4)")
+    half = 2**30 + 4
+    counts = [half, 0]
+    x = jnp.full((half,), comm.rank + 1, jnp.int8)
+    capacity = 2 * half if comm.rank == 0 else 0
+    if form == "alltoallv":
+        call = lambda x: comm.alltoallv(x, counts, capacity=capacity)  # noqa: E731
+    else:
+        call = lambda x: comm.wait(comm.ialltoallv(x, counts, capacity=capacity))  # noqa: E731
+    y, got = jax.jit(call, donate_argnums=0)(x)
+    del x
+    if comm.rank == 0:
+        assert np.asarray(got).tolist() == [half, half]
+        assert np.asarray(y[half - 2 : half + 2]).tolist() == [1, 1, 2, 2]
+        halves = jax.jit(lambda y: (jnp.all(y[:half] == 1), jnp.all(y[half:] == 2)))(y)
+        assert all(map(bool, halves))  # fused: no second 2 GiB array
+    else:
+        assert np.asarray(got).tolist() == [0, 0] and y.shape == (0,)
