@@ -64,63 +64,34 @@ struct Counted {
 };
 using IntCounts = Counted<int, int>;
 
-// MPI's variable-size functions, each by the type of its counts.
-int alltoallv(const void* in, const IntCounts& send, void* out, const IntCounts& recv,
-              MPI_Datatype type, MPI_Comm comm) {
-  return MPI_Alltoallv(in, send.counts.data(), send.starts.data(), type, out, recv.counts.data(),
-                       recv.starts.data(), type, comm);
-}
-int allgatherv(const void* in, int count, void* out, const IntCounts& recv, MPI_Datatype type,
-               MPI_Comm comm) {
-  return MPI_Allgatherv(in, count, type, out, recv.counts.data(), recv.starts.data(), type, comm);
-}
-int gatherv(const void* in, int count, void* out, const IntCounts& recv, MPI_Datatype type,
-            int root, MPI_Comm comm) {
-  return MPI_Gatherv(in, count, type, out, recv.counts.data(), recv.starts.data(), type, root,
-                     comm);
-}
-int scatterv(const void* in, const IntCounts& send, void* out, int count, MPI_Datatype type,
-             int root, MPI_Comm comm) {
-  return MPI_Scatterv(in, send.counts.data(), send.starts.data(), type, out, count, type, root,
-                      comm);
-}
-// ialltoallv's counts and starts must outlive the request: they point into
-// buffers the pending request owns.
-int ialltoallv(const void* in, const int* send_counts, const int* send_starts, void* out,
-               const int* recv_counts, const int* recv_starts, MPI_Datatype type, MPI_Comm comm,
-               MPI_Request* request) {
-  return MPI_Ialltoallv(in, send_counts, send_starts, type, out, recv_counts, recv_starts, type,
-                        comm, request);
-}
-
 #if JAXCOMM_LARGE_COUNTS
 using LargeCounts = Counted<MPI_Count, MPI_Aint>;
+#endif
 
-int alltoallv(const void* in, const LargeCounts& send, void* out, const LargeCounts& recv,
-              MPI_Datatype type, MPI_Comm comm) {
-  return MPI_Alltoallv_c(in, send.counts.data(), send.starts.data(), type, out, recv.counts.data(),
-                         recv.starts.data(), type, comm);
-}
-int allgatherv(const void* in, MPI_Count count, void* out, const LargeCounts& recv,
-               MPI_Datatype type, MPI_Comm comm) {
-  return MPI_Allgatherv_c(in, count, type, out, recv.counts.data(), recv.starts.data(), type, comm);
-}
-int gatherv(const void* in, MPI_Count count, void* out, const LargeCounts& recv, MPI_Datatype type,
-            int root, MPI_Comm comm) {
-  return MPI_Gatherv_c(in, count, type, out, recv.counts.data(), recv.starts.data(), type, root,
-                       comm);
-}
-int scatterv(const void* in, const LargeCounts& send, void* out, MPI_Count count, MPI_Datatype type,
-             int root, MPI_Comm comm) {
-  return MPI_Scatterv_c(in, send.counts.data(), send.starts.data(), type, out, count, type, root,
-                        comm);
-}
-int ialltoallv(const void* in, const MPI_Count* send_counts, const MPI_Aint* send_starts, void* out,
-               const MPI_Count* recv_counts, const MPI_Aint* recv_starts, MPI_Datatype type,
-               MPI_Comm comm, MPI_Request* request) {
-  return MPI_Ialltoallv_c(in, send_counts, send_starts, type, out, recv_counts, recv_starts, type,
-                          comm, request);
-}
+// MPI's variable-size functions for counts of type Counts: the int forms, or
+// MPI 4's large-count (_c) forms, whose arguments are the same but for MPI_Count
+// counts and MPI_Aint displacements.
+template <typename Counts>
+struct Functions;
+
+template <>
+struct Functions<IntCounts> {
+  static constexpr auto alltoallv = &MPI_Alltoallv;
+  static constexpr auto ialltoallv = &MPI_Ialltoallv;
+  static constexpr auto allgatherv = &MPI_Allgatherv;
+  static constexpr auto gatherv = &MPI_Gatherv;
+  static constexpr auto scatterv = &MPI_Scatterv;
+};
+
+#if JAXCOMM_LARGE_COUNTS
+template <>
+struct Functions<LargeCounts> {
+  static constexpr auto alltoallv = &MPI_Alltoallv_c;
+  static constexpr auto ialltoallv = &MPI_Ialltoallv_c;
+  static constexpr auto allgatherv = &MPI_Allgatherv_c;
+  static constexpr auto gatherv = &MPI_Gatherv_c;
+  static constexpr auto scatterv = &MPI_Scatterv_c;
+};
 #endif
 
 // x's rows: how many x has, the unit in which MPI counts them (fit), and where
@@ -365,8 +336,11 @@ ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, T
     return err;
   char* into = rows.destination(counts.total);
   const int code = rows.in_units([&]<typename Counts>(Counts) {
-    return alltoallv(x.untyped_data(), rows.counted<Counts>(counts.sending), into,
-                     rows.counted<Counts>(counts.receiving), rows.type(), rows.comm());
+    const Counts send = rows.counted<Counts>(counts.sending);
+    const Counts recv = rows.counted<Counts>(counts.receiving);
+    return Functions<Counts>::alltoallv(x.untyped_data(), send.counts.data(), send.starts.data(),
+                                        rows.type(), into, recv.counts.data(), recv.starts.data(),
+                                        rows.type(), rows.comm());
   });
   JAXCOMM_CHECK_MPI(code, call.operation(), rows.comm());
   return rows.finish(recv_counts, counts.receiving, counts.total, counts.bad, "send_counts",
@@ -405,9 +379,10 @@ ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, 
   const int code = rows.in_units([&]<typename Counts>(Counts) {
     const Counts send = rows.counted<Counts>(counts.sending);
     const Counts recv = rows.counted<Counts>(counts.receiving);
-    return ialltoallv(in, owned(pending, send.counts), owned(pending, send.starts), into,
-                      owned(pending, recv.counts), owned(pending, recv.starts), rows.type(),
-                      rows.comm(), &pending.requests.emplace_back());
+    return Functions<Counts>::ialltoallv(
+        in, owned(pending, send.counts), owned(pending, send.starts), rows.type(), into,
+        owned(pending, recv.counts), owned(pending, recv.starts), rows.type(), rows.comm(),
+        &pending.requests.emplace_back());
   });
   JAXCOMM_CHECK_MPI(code, call.operation(), rows.comm());
   return post(request->untyped_data(), std::move(pending));
@@ -437,8 +412,10 @@ ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenO
   if (auto err = rows.fit(sending, total); err.failure()) return err;
   char* into = rows.destination(total);
   const int code = rows.in_units([&]<typename Counts>(Counts) {
-    return allgatherv(x.untyped_data(), rows.unit<typename Counts::Count>(sending), into,
-                      rows.counted<Counts>(counts), rows.type(), comm);
+    const Counts recv = rows.counted<Counts>(counts);
+    return Functions<Counts>::allgatherv(
+        x.untyped_data(), rows.unit<typename Counts::Count>(sending), rows.type(), into,
+        recv.counts.data(), recv.starts.data(), rows.type(), comm);
   });
   JAXCOMM_CHECK_MPI(code, call.operation(), comm);
   return rows.finish(counts_out, counts, total, bad, "count", {asked});
@@ -475,8 +452,10 @@ ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
   if (auto err = rows.fit(sending, total); err.failure()) return err;
   char* into = rows.destination(total);
   const int code = rows.in_units([&]<typename Counts>(Counts) {
-    return gatherv(x.untyped_data(), rows.unit<typename Counts::Count>(sending), into,
-                   rows.counted<Counts>(counts), rows.type(), root, comm);
+    const Counts recv = rows.counted<Counts>(counts);
+    return Functions<Counts>::gatherv(x.untyped_data(), rows.unit<typename Counts::Count>(sending),
+                                      rows.type(), into, recv.counts.data(), recv.starts.data(),
+                                      rows.type(), root, comm);
   });
   JAXCOMM_CHECK_MPI(code, call.operation(), comm);
   if (!is_root) {
@@ -515,8 +494,10 @@ ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut
   if (auto err = rows.fit(sum(sending), receiving); err.failure()) return err;
   char* into = rows.destination(receiving);
   const int code = rows.in_units([&]<typename Counts>(Counts) {
-    return scatterv(x.untyped_data(), rows.counted<Counts>(sending), into,
-                    rows.unit<typename Counts::Count>(receiving), rows.type(), root, comm);
+    const Counts send = rows.counted<Counts>(sending);
+    return Functions<Counts>::scatterv(
+        x.untyped_data(), send.counts.data(), send.starts.data(), rows.type(), into,
+        rows.unit<typename Counts::Count>(receiving), rows.type(), root, comm);
   });
   JAXCOMM_CHECK_MPI(code, call.operation(), comm);
   return rows.finish(count_out, {receiving}, receiving, bad, "counts", asked);
