@@ -414,6 +414,16 @@ def _adjoint_params(adjoint: Adjoint, kind: StartBuffers, params: dict, rows: in
     return {**adjoint.params(**params), **({"capacity": rows} if kind.counts else {})}
 
 
+def _swapped(counts: tuple, comm: CommInfo, learn: bool) -> tuple:
+    """A variable-size adjoint's count operands (none for other operations): it
+    sends what arrived and receives what was sent. `learn`: what arrived is not
+    known (transposed as written), so one alltoall of the counts learns it."""
+    if not counts:
+        return ()
+    sent, received = counts
+    return (_variable_size.received_counts(sent, comm) if learn else received), sent
+
+
 def _wait_transpose(cts, *operands, operation, comm, params):
     kind = OPERATIONS[operation].kind
     params = dict(params)
@@ -435,16 +445,11 @@ def _wait_transpose(cts, *operands, operation, comm, params):
         source = ct
         if source is None:  # isend: the cotangent comes back into a buffer like x
             source = jnp.zeros(operands[1].aval.shape, operands[1].aval.dtype)
-        rows = _rows(keep) if kind.counts else 0
+        rows = _variable_size.rows_of(keep) if kind.counts else 0
         a_params = {**_adjoint_params(adjoint, kind, params, rows), "posted": 0}
         if operation == "irecv":  # see _p2p.refuse_derivative_of_reply
             a_params["cotangent"] = True
-        swapped = ()
-        if kind.counts:  # the adjoint sends what arrived and receives what was sent
-            sent, received = counts
-            if ad.is_undefined_primal(received):  # transposed as written: learn it
-                received = _collectives.alltoall(sent.reshape(comm.size, 1), comm=comm)[:, 0]
-            swapped = (received, sent)
+        swapped = _swapped(counts, comm, learn=kind.counts and ad.is_undefined_primal(counts[1]))
         outs = list(target.start.bind(source, *swapped, comm=comm, **a_params))
         a_pending = outs.pop(0) if target.kind.result else None
         request_ct = outs.pop(0)
@@ -479,13 +484,8 @@ def _start_transpose(operation):
             return [instantiate(keep_ct if op.kind.input else pending_ct), *no_counts]
         target = adjoint.operation
         a_kind = OPERATIONS[target].kind
-        a_params = _adjoint_params(adjoint, op.kind, params, _rows(x))
-        swapped = ()
-        if op.kind.counts:  # the adjoint sends what arrived and receives what was sent
-            sent, received = counts
-            if params["exchange"]:  # transposed as written: learn what arrived
-                received = _collectives.alltoall(sent.reshape(comm.size, 1), comm=comm)[:, 0]
-            swapped = (received, sent)
+        a_params = _adjoint_params(adjoint, op.kind, params, _variable_size.rows_of(x))
+        swapped = _swapped(counts, comm, learn=op.kind.counts and params["exchange"])
         # As the wait's transpose passed them: the adjoint's pending came as keep's
         # cotangent, its kept data as pending's.
         outs = bind_wait(target, comm, a_params, request_ct, pending_ct, keep_ct, swapped)
@@ -494,10 +494,6 @@ def _start_transpose(operation):
         return [adjoint.after(outs[0], comm=comm), *no_counts]
 
     return transpose
-
-
-def _rows(x) -> int:
-    return (x.aval if ad.is_undefined_primal(x) else x).shape[0]
 
 
 # -- batching: one MPI call for the whole batch, in the blocking op's layout -------------

@@ -195,11 +195,11 @@ def comm_primitive(
         for key in primitive.attrs:
             value = params[key]
             ffi_attrs[key] = value if isinstance(value, str) else np.int32(value)
-        if result_is_x is None or not result_is_x(comm=comm, **params):
-            alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases else None
-            rule = lower_with_token(f"jaxcomm_{name}", aliases=alias, templates=templates)
+        is_x = result_is_x is not None and result_is_x(comm=comm, **params)
+        alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases and not is_x else None
+        rule = lower_with_token(f"jaxcomm_{name}", aliases=alias, templates=templates)
+        if not is_x:
             return rule(ctx, *operands, **ffi_attrs)
-        rule = lower_with_token(f"jaxcomm_{name}", templates=templates)
         # The host function sees an empty result and leaves it be (cpp/memory.h).
         first, *rest = ctx.avals_out
         empty = ctx.replace(avals_out=[core.ShapedArray((0,), first.dtype), *rest])

@@ -73,15 +73,22 @@ def _masked_rows(ct, index, keep, like):
     return jnp.where(keep.reshape(-1, *[1] * (len(like.shape) - 1)), taken, 0).astype(like.dtype)
 
 
-def _rows_of(x) -> int:
+def rows_of(x) -> int:
+    """How many rows x (a primal or an undefined one, in a transpose) has."""
     return (x.aval if ad.is_undefined_primal(x) else x).shape[0]
+
+
+def received_counts(sent, comm: CommInfo):
+    """The counts of an alltoallv's rows each rank received, learnt from what every
+    rank sent (one alltoall): for an adjoint transposed as written."""
+    return alltoall(sent.reshape(comm.size, 1), comm=comm)[:, 0]
 
 
 def _alltoallv_transpose(cts, x, send, recv, *, comm, capacity, exchange):
     if exchange:  # transposed as written (jax.linear_transpose): learn what arrived
-        recv = alltoall(send.reshape(comm.size, 1), comm=comm)[:, 0]
+        recv = received_counts(send, comm)
     back, _ = alltoallv_p.bind(
-        instantiate(cts[0]), recv, send, comm=comm, capacity=_rows_of(x), exchange=False
+        instantiate(cts[0]), recv, send, comm=comm, capacity=rows_of(x), exchange=False
     )
     return [back, None, None]
 
@@ -91,7 +98,7 @@ def _allgatherv_transpose(cts, x, count, counts, *, comm, capacity, exchange):
         counts = allgather(count, comm=comm)
     ct = replicated_cotangent(instantiate(cts[0]), comm=comm, operation="allgatherv")
     ct = pvary(ct, comm=comm)
-    index, keep = _rank_rows(counts, comm.rank, _rows_of(x))
+    index, keep = _rank_rows(counts, comm.rank, rows_of(x))
     return [_masked_rows(ct, index, keep, x.aval), None, None]
 
 
@@ -105,7 +112,7 @@ def _gatherv_transpose(cts, x, count, counts, *, comm, root, capacity, exchange)
         count,
         comm=comm,
         root=root,
-        capacity=_rows_of(x),
+        capacity=rows_of(x),
         exchange=False,
     )
     return [back, None, None]
@@ -114,7 +121,7 @@ def _gatherv_transpose(cts, x, count, counts, *, comm, root, capacity, exchange)
 def _scatterv_transpose(cts, x, counts, count, *, comm, root, capacity, exchange):
     if exchange:  # the root's counts; the other ranks pass a template
         count = scatter(counts if comm.rank == root else counts[0], comm=comm, root=root)
-    rows = _rows_of(x)
+    rows = rows_of(x)
     back, _ = gatherv_p.bind(
         instantiate(cts[0]),
         count,

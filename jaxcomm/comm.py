@@ -20,6 +20,7 @@ from jaxcomm import (
     _eager,
     _kernels,
     _native,
+    _nonblocking,
     _p2p,
     _reductions,
     _replicated,
@@ -78,8 +79,6 @@ def _alltoallv_counts(size: int, send_counts: Any, recv_counts: Any) -> tuple[di
 
 #: Parameters of blocking methods that their non-blocking forms do not take.
 _BLOCKING_ONLY = ("in_place",)
-# Non-blocking variable-size exchanges: x's rows and their count operands.
-_POSTED_ROWS = ("ialltoallv",)
 
 
 def _nonblocking_method(
@@ -89,6 +88,8 @@ def _nonblocking_method(
     checked as the same operation declares them, posted (jaxcomm._requests)
     instead of run. `doc` is its docstring."""
     operation = "i" + blocking.__name__
+    # A variable-size exchange posts x's rows with their count operands.
+    rows = _nonblocking.OPERATIONS[operation].kind.counts
     signature = inspect.signature(blocking)
     # Non-blocking operations always work in buffers jaxcomm owns.
     signature = signature.replace(
@@ -112,7 +113,7 @@ def _nonblocking_method(
         params = defaults | dict(zip(positional(len(args), tuple(kwargs)), args, strict=True))
         params.update(kwargs)
         self, x = params.pop("self"), params.pop("x")
-        if operation in _POSTED_ROWS:
+        if rows:
             return self._post_rows(operation, x, **params)
         return_status = params.pop("return_status", False)
         return _requests.post(operation, x, self._comm, params, return_status)
