@@ -18,7 +18,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "call.h"
@@ -36,21 +38,23 @@ namespace {
 
 constexpr bool kLargeCounts = JAXCOMM_LARGE_COUNTS;
 
-std::string counts_text(const std::vector<int>& counts) {
+std::string counts_text(std::span<const int> counts) {
   std::string text = "[";
   for (size_t i = 0; i < counts.size(); ++i) text += (i ? ", " : "") + std::to_string(counts[i]);
   return text + "]";
 }
 
-int64_t sum(const std::vector<int>& counts) {
+int64_t sum(std::span<const int> counts) {
   int64_t total = 0;
   for (int c : counts) total += c;
   return total;
 }
 
-std::vector<int> int32s(const Buffer& b, size_t n) {
-  const int32_t* data = static_cast<const int32_t*>(b.untyped_data());
-  return std::vector<int>(data, data + n);
+// The `n` counts of an int32 buffer, read where XLA holds them (host memory:
+// the CUDA backend stages the variable-size exchanges).
+static_assert(std::is_same_v<int, int32_t>, "counts are int32 buffers and MPI's int counts");
+std::span<const int> counts_of(const Buffer& b, size_t n) {
+  return {static_cast<const int*>(b.untyped_data()), n};
 }
 
 // Counts of rows and where each rank's rows start, of the types MPI's function
@@ -165,8 +169,10 @@ class Rows {
   }
   // Counts of rows, and where each rank's rows start, in that unit.
   template <typename Counts>
-  Counts counted(const std::vector<int>& rows) const {
+  Counts counted(std::span<const int> rows) const {
     Counts out;
+    out.counts.reserve(rows.size());
+    out.starts.reserve(rows.size());
     typename Counts::Start start = 0;
     for (int r : rows) {
       out.counts.push_back(unit<typename Counts::Count>(r));
@@ -208,16 +214,15 @@ class Rows {
   // Ends the exchange: writes the counts received into `counts_out`, zeros out's
   // rows past the `total` received (all of them after an overflow), then gives
   // `outcome`'s error, if any.
-  ffi::Error finish(Result& counts_out, const std::vector<int>& received, int64_t total, bool bad,
-                    const char* name, const std::vector<int>& asked) {
+  ffi::Error finish(Result& counts_out, std::span<const int> received, int64_t total, bool bad,
+                    const char* name, std::span<const int> asked) {
     write_counts(counts_out, received);
     zero_rows_past(bytes(out_), total);
     return outcome(received, total, bad, name, asked);
   }
 
-  void write_counts(Result& counts_out, const std::vector<int>& received) const {
-    const std::vector<int32_t> values(received.begin(), received.end());
-    memory().copy(counts_out->untyped_data(), values.data(), values.size() * sizeof(int32_t));
+  void write_counts(Result& counts_out, std::span<const int> received) const {
+    memory().copy(counts_out->untyped_data(), received.data(), received.size_bytes());
   }
 
   // Zeros the rows of a result at `result` past the `total` received (all of
@@ -230,8 +235,8 @@ class Rows {
 
   // The error of an overflow, or of this rank's own invalid counts (`bad`: the
   // argument `name` was `asked`; it sent no rows), if any.
-  ffi::Error outcome(const std::vector<int>& received, int64_t total, bool bad, const char* name,
-                     const std::vector<int>& asked) const {
+  ffi::Error outcome(std::span<const int> received, int64_t total, bool bad, const char* name,
+                     std::span<const int> asked) const {
     if (total > capacity())
       return invalid_argument(call_.operation(),
                               "the counts received " + counts_text(received) + " add up to " +
@@ -261,7 +266,7 @@ class Rows {
 };
 
 // Counts that a rank may send from x's `rows`: none negative, their sum within.
-bool valid(const std::vector<int>& counts, int64_t rows) {
+bool valid(std::span<const int> counts, int64_t rows) {
   return std::all_of(counts.begin(), counts.end(), [](int c) { return c >= 0; }) &&
          sum(counts) <= rows;
 }
@@ -274,8 +279,8 @@ struct OwnCount {
 };
 
 OwnCount own_count(const Buffer& count, int64_t rows) {
-  const int asked = int32s(count, 1)[0];
-  const bool bad = !valid({asked}, rows);
+  const int asked = counts_of(count, 1)[0];
+  const bool bad = asked < 0 || asked > rows;
   return {asked, bad ? 0 : asked, bad};
 }
 
@@ -286,7 +291,8 @@ namespace {
 // alltoallv's counts: what this rank asked to send (`bad` if invalid: then it
 // sends none) and what it receives, given or exchanged.
 struct AlltoallvCounts {
-  std::vector<int> asked, sending, receiving;
+  std::span<const int> asked, sending;  // sending: asked, or `none` if asked is invalid
+  std::vector<int> none, receiving;
   bool bad = false;
   int64_t total = 0;  // rows received
 };
@@ -296,22 +302,23 @@ ffi::Error alltoallv_counts(Call& call, Rows& rows, const Buffer& send_counts,
                             AlltoallvCounts& counts) {
   MPI_Comm comm = rows.comm();
   const int size = comm_size(comm);
-  counts.asked = int32s(send_counts, size);
+  counts.asked = counts_of(send_counts, size);
   counts.bad = !valid(counts.asked, rows.rows());
-  counts.sending = counts.bad ? std::vector<int>(size, 0) : counts.asked;
+  if (counts.bad) counts.none.assign(size, 0);
+  counts.sending = counts.bad ? counts.none : counts.asked;
   counts.receiving.assign(size, 0);
   if (exchange || check)
     JAXCOMM_CHECK_MPI(
         MPI_Alltoall(counts.sending.data(), 1, MPI_INT, counts.receiving.data(), 1, MPI_INT, comm),
         call.operation(), comm);
   if (!exchange) {
-    const std::vector<int> given = int32s(given_counts, size);
+    const std::span<const int> given = counts_of(given_counts, size);
     if (check)
-      if (auto err = rows.agree(given != counts.receiving, "recv_counts", counts_text(given),
-                                counts_text(counts.receiving));
+      if (auto err = rows.agree(!std::ranges::equal(given, counts.receiving), "recv_counts",
+                                counts_text(given), counts_text(counts.receiving));
           err.failure())
         return err;
-    counts.receiving = given;
+    counts.receiving.assign(given.begin(), given.end());
   }
   counts.total = sum(counts.receiving);
   return rows.fit(sum(counts.sending), counts.total);
@@ -401,12 +408,13 @@ ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenO
     JAXCOMM_CHECK_MPI(MPI_Allgather(&sending, 1, MPI_INT, counts.data(), 1, MPI_INT, comm),
                       call.operation(), comm);
   if (!exchange) {
-    const std::vector<int> given = int32s(given_counts, size);
+    const std::span<const int> given = counts_of(given_counts, size);
     if (check)
-      if (auto err = rows.agree(given != counts, "counts", counts_text(given), counts_text(counts));
+      if (auto err = rows.agree(!std::ranges::equal(given, counts), "counts", counts_text(given),
+                                counts_text(counts));
           err.failure())
         return err;
-    counts = given;
+    counts.assign(given.begin(), given.end());
   }
   const int64_t total = sum(counts);
   if (auto err = rows.fit(sending, total); err.failure()) return err;
@@ -418,7 +426,7 @@ ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenO
         recv.counts.data(), recv.starts.data(), rows.type(), comm);
   });
   JAXCOMM_CHECK_MPI(code, call.operation(), comm);
-  return rows.finish(counts_out, counts, total, bad, "count", {asked});
+  return rows.finish(counts_out, counts, total, bad, "count", {&asked, 1});
 }
 
 // Only the root's counts are exchanged and checked: the other ranks' counts
@@ -439,14 +447,14 @@ ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
     JAXCOMM_CHECK_MPI(MPI_Gather(&sending, 1, MPI_INT, counts.data(), 1, MPI_INT, root, comm),
                       call.operation(), comm);
   if (!exchange) {
-    if (check) {  // the root compares what was sent with what it was given
-      const std::vector<int> given = is_root ? int32s(given_counts, size) : counts;
-      if (auto err = rows.agree(is_root && given != counts, "counts", counts_text(given),
+    const std::span<const int> given =
+        is_root ? counts_of(given_counts, size) : std::span<const int>(counts);
+    if (check)  // the root compares what was sent with what it was given
+      if (auto err = rows.agree(!std::ranges::equal(given, counts), "counts", counts_text(given),
                                 counts_text(counts));
           err.failure())
         return err;
-    }
-    if (is_root) counts = int32s(given_counts, size);
+    if (is_root) counts.assign(given.begin(), given.end());
   }
   const int64_t total = is_root ? sum(counts) : 0;
   if (auto err = rows.fit(sending, total); err.failure()) return err;
@@ -462,7 +470,7 @@ ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
     counts.assign(size, 0);
     counts[rank] = sending;
   }
-  return rows.finish(counts_out, counts, total, bad, "count", {asked});
+  return rows.finish(counts_out, counts, total, bad, "count", {&asked, 1});
 }
 
 ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut, Result out,
@@ -475,18 +483,19 @@ ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut
   MPI_Comm comm = rows.comm();
   const int size = comm_size(comm);
   const bool is_root = comm_rank(comm) == root;
-  const std::vector<int> asked = is_root ? int32s(counts, size) : std::vector<int>(size, 0);
+  const std::span<const int> asked = is_root ? counts_of(counts, size) : std::span<const int>();
   const bool bad = is_root && !valid(asked, rows.rows());
-  const std::vector<int> sending = bad ? std::vector<int>(size, 0) : asked;
+  std::vector<int> sending(size, 0);
+  if (is_root && !bad) std::ranges::copy(asked, sending.begin());
   int receiving = 0;
   if (exchange || check)
     JAXCOMM_CHECK_MPI(MPI_Scatter(sending.data(), 1, MPI_INT, &receiving, 1, MPI_INT, root, comm),
                       call.operation(), comm);
   if (!exchange) {
-    const int given = int32s(given_count, 1)[0];
+    const int given = counts_of(given_count, 1)[0];
     if (check)
-      if (auto err = rows.agree(given != receiving, "count", counts_text({given}),
-                                counts_text({receiving}));
+      if (auto err = rows.agree(given != receiving, "count", counts_text({&given, 1}),
+                                counts_text({&receiving, 1}));
           err.failure())
         return err;
     receiving = given;
@@ -500,7 +509,7 @@ ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut
         rows.unit<typename Counts::Count>(receiving), rows.type(), root, comm);
   });
   JAXCOMM_CHECK_MPI(code, call.operation(), comm);
-  return rows.finish(count_out, {receiving}, receiving, bad, "counts", asked);
+  return rows.finish(count_out, {&receiving, 1}, receiving, bad, "counts", asked);
 }
 
 }  // namespace jaxcomm::mpi
