@@ -8,6 +8,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -104,50 +105,41 @@ ffi::Error Barrier(Token, TokenOut, int64_t comm_key, bool check) {
 }  // namespace jaxcomm::mpi
 
 namespace jaxcomm::mpi {
-namespace {
 
-// The neighbours of a Cartesian communicator in MPI's order (along each
-// dimension, the lower then the upper one); MPI_PROC_NULL beyond an edge.
-std::vector<int> neighbors(MPI_Comm comm) {
+ffi::Error cartesian_neighbors(MPI_Comm comm, std::string_view operation, std::vector<int>* found) {
+  int kind = MPI_UNDEFINED;
+  MPI_Topo_test(comm, &kind);
+  if (kind != MPI_CART)
+    return invalid_argument(operation, "needs a Cartesian communicator (create_cart)");
   int dims = 0;
   MPI_Cartdim_get(comm, &dims);
-  std::vector<int> found;
+  found->clear();
   for (int d = 0; d < dims; ++d) {
     int lower = MPI_PROC_NULL, upper = MPI_PROC_NULL;
     MPI_Cart_shift(comm, d, 1, &lower, &upper);
-    found.push_back(lower);
-    found.push_back(upper);
+    found->push_back(lower);
+    found->push_back(upper);
   }
-  return found;
+  return ffi::Error::Success();
 }
 
-// MPI leaves the blocks from MPI_PROC_NULL neighbours unwritten: zeros there.
-void zero_missing(Result& out, const std::vector<int>& from, int64_t block_bytes) {
+void zero_missing(char* blocks, const std::vector<int>& from, int64_t block_bytes) {
   static const char nothing = 0;
   for (size_t k = 0; k < from.size(); ++k)
-    if (from[k] == MPI_PROC_NULL)
-      memory().fill(bytes(out) + k * block_bytes, &nothing, 1, block_bytes);
+    if (from[k] == MPI_PROC_NULL) memory().fill(blocks + k * block_bytes, &nothing, 1, block_bytes);
 }
-
-int topology(MPI_Comm comm) {
-  int kind = MPI_UNDEFINED;
-  MPI_Topo_test(comm, &kind);
-  return kind;
-}
-
-}  // namespace
 
 ffi::Error NeighborAllgather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check) {
   Call call(comm_key, check, x);
   auto [error, comm, type] = start(call, x);
   if (error.failure()) return error;
-  if (topology(comm) != MPI_CART)
-    return invalid_argument(call.operation(), "needs a Cartesian communicator (create_cart)");
+  std::vector<int> from;
+  if (auto err = cartesian_neighbors(comm, call.operation(), &from); err.failure()) return err;
   Block block(x.element_count(), type);
   JAXCOMM_CHECK_MPI(MPI_Neighbor_allgather(x.untyped_data(), block.count(), block.type(),
                                            out->untyped_data(), block.count(), block.type(), comm),
                     call.operation(), comm);
-  zero_missing(out, neighbors(comm), static_cast<int64_t>(x.size_bytes()));
+  zero_missing(bytes(out), from, static_cast<int64_t>(x.size_bytes()));
   return ffi::Error::Success();
 }
 
@@ -155,15 +147,14 @@ ffi::Error NeighborAlltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_
   Call call(comm_key, check, x);
   auto [error, comm, type] = start(call, x);
   if (error.failure()) return error;
-  if (topology(comm) != MPI_CART)
-    return invalid_argument(call.operation(), "needs a Cartesian communicator (create_cart)");
-  const std::vector<int> from = neighbors(comm);
+  std::vector<int> from;
+  if (auto err = cartesian_neighbors(comm, call.operation(), &from); err.failure()) return err;
   const int64_t blocks = static_cast<int64_t>(from.size());
   Block block(blocks ? x.element_count() / blocks : 0, type);
   JAXCOMM_CHECK_MPI(MPI_Neighbor_alltoall(x.untyped_data(), block.count(), block.type(),
                                           out->untyped_data(), block.count(), block.type(), comm),
                     call.operation(), comm);
-  zero_missing(out, from, blocks ? static_cast<int64_t>(x.size_bytes()) / blocks : 0);
+  zero_missing(bytes(out), from, blocks ? static_cast<int64_t>(x.size_bytes()) / blocks : 0);
   return ffi::Error::Success();
 }
 

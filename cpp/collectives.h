@@ -3,7 +3,11 @@
 #ifndef JAXCOMM_COLLECTIVES_H_
 #define JAXCOMM_COLLECTIVES_H_
 
+#include <mpi.h>
+
 #include <cstdint>
+#include <string_view>
+#include <vector>
 
 #include "binding.h"
 
@@ -21,6 +25,13 @@ ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm, bool ch
 ffi::Error NeighborAllgather(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
 ffi::Error NeighborAlltoall(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
 ffi::Error Barrier(Token, TokenOut, int64_t comm, bool check);
+
+// The neighbours of a Cartesian communicator in MPI's order (along each
+// dimension, the lower then the upper one; MPI_PROC_NULL beyond an edge) into
+// `found`, or an error naming `operation` if comm is not Cartesian.
+ffi::Error cartesian_neighbors(MPI_Comm comm, std::string_view operation, std::vector<int>* found);
+// MPI leaves the blocks from MPI_PROC_NULL neighbours unwritten: zeros there.
+void zero_missing(char* blocks, const std::vector<int>& from, int64_t block_bytes);
 
 }  // namespace jaxcomm::mpi
 

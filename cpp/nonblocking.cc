@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "call.h"
+#include "collectives.h"
 #include "datatypes.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
@@ -118,21 +119,40 @@ ffi::Error Ibcast(Token, Buffer x, TokenOut, Result out, Result request, int64_t
 
 namespace {
 
-// iallgather and ialltoall: one block per rank each way (MPI's functions share a
-// signature).
-template <bool kAlltoall>
-ffi::Error exchange_blocks(const Buffer& x, Result& out, Result& request, int64_t comm_key,
-                           bool check) {
+// MPI's non-blocking exchanges of one block per peer each way share a signature.
+using PostBlocks = int (*)(const void*, int, MPI_Datatype, void*, int, MPI_Datatype, MPI_Comm,
+                           MPI_Request*);
+
+struct BlockExchange {
+  PostBlocks post;
+  bool split;         // x holds one block per peer (the alltoall forms), else it is one
+  bool neighborhood;  // the peers are a Cartesian communicator's neighbours
+};
+
+constexpr BlockExchange kIallgather{&MPI_Iallgather, false, false};
+constexpr BlockExchange kIalltoall{&MPI_Ialltoall, true, false};
+constexpr BlockExchange kIneighborAllgather{&MPI_Ineighbor_allgather, false, true};
+constexpr BlockExchange kIneighborAlltoall{&MPI_Ineighbor_alltoall, true, true};
+
+ffi::Error exchange_blocks(const BlockExchange& kind, const Buffer& x, Result& out, Result& request,
+                           int64_t comm_key, bool check) {
   Call call(comm_key, check, x);
   const std::string_view name = call.operation();
   auto [error, comm, type] = start(call, x);
   if (error.failure()) return error;
+  std::vector<int> neighbors;
+  if (kind.neighborhood)
+    if (auto err = cartesian_neighbors(comm, name, &neighbors); err.failure()) return err;
+  const int64_t peers =
+      kind.neighborhood ? static_cast<int64_t>(neighbors.size()) : comm_size(comm);
+  const int64_t elements = kind.split ? (peers ? x.element_count() / peers : 0) : x.element_count();
   // MPI lets a datatype be freed (Block's destructor) while a request uses it.
-  Block block(x.element_count() / (kAlltoall ? comm_size(comm) : 1), type);
+  Block block(elements, type);
   Owned owned = own_buffers(name, comm_key, check, x, out);
-  auto* post_blocks = kAlltoall ? &MPI_Ialltoall : &MPI_Iallgather;
-  JAXCOMM_CHECK_MPI(post_blocks(owned.in, block.count(), block.type(), owned.result, block.count(),
-                                block.type(), comm, &owned.pending.requests.emplace_back()),
+  if (kind.neighborhood)  // MPI does not write them; owned buffers are reused
+    zero_missing(owned.result, neighbors, elements * ffi::ByteWidth(x.element_type()));
+  JAXCOMM_CHECK_MPI(kind.post(owned.in, block.count(), block.type(), owned.result, block.count(),
+                              block.type(), comm, &owned.pending.requests.emplace_back()),
                     name, comm);
   return post(request->untyped_data(), std::move(owned.pending));
 }
@@ -141,12 +161,22 @@ ffi::Error exchange_blocks(const Buffer& x, Result& out, Result& request, int64_
 
 ffi::Error Iallgather(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
                       int64_t comm_key, bool check) {
-  return exchange_blocks<false>(x, out, request, comm_key, check);
+  return exchange_blocks(kIallgather, x, out, request, comm_key, check);
 }
 
 ffi::Error Ialltoall(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
                      int64_t comm_key, bool check) {
-  return exchange_blocks<true>(x, out, request, comm_key, check);
+  return exchange_blocks(kIalltoall, x, out, request, comm_key, check);
+}
+
+ffi::Error IneighborAllgather(Token, Buffer x, TokenOut, Result out, Result request,
+                              Result /*keep*/, int64_t comm_key, bool check) {
+  return exchange_blocks(kIneighborAllgather, x, out, request, comm_key, check);
+}
+
+ffi::Error IneighborAlltoall(Token, Buffer x, TokenOut, Result out, Result request, Result /*keep*/,
+                             int64_t comm_key, bool check) {
+  return exchange_blocks(kIneighborAlltoall, x, out, request, comm_key, check);
 }
 
 // isend and irecv post on buffers their pending request owns (requests.h): isend

@@ -42,6 +42,12 @@ ffi::Error Iallgather(Token, Buffer x, TokenOut, Result out, Result request, Res
                       int64_t comm, bool check);
 ffi::Error Ialltoall(Token, Buffer x, TokenOut, Result out, Result request, Result keep,
                      int64_t comm, bool check);
+// On a Cartesian communicator, as neighbor_allgather and neighbor_alltoall
+// (collectives.h).
+ffi::Error IneighborAllgather(Token, Buffer x, TokenOut, Result out, Result request, Result keep,
+                              int64_t comm, bool check);
+ffi::Error IneighborAlltoall(Token, Buffer x, TokenOut, Result out, Result request, Result keep,
+                             int64_t comm, bool check);
 ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result keep, int64_t comm, bool check,
                  int32_t dest, int32_t tag);
 ffi::Error Irecv(Token, TokenOut, Result out, Result request, int64_t comm, bool check,
@@ -66,6 +72,10 @@ ffi::Error Test(Token, Buffer request, TokenOut, ffi::Result<ffi::BufferR0<ffi::
   X(ibcast, Ibcast, (one_input<mpi::Buffer, mpi::Buffer>(base)), A(int32_t, root))               \
   X(iallgather, Iallgather, (one_input<mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)), )          \
   X(ialltoall, Ialltoall, (one_input<mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)), )            \
+  X(ineighbor_allgather, IneighborAllgather,                                                     \
+    (one_input<mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)), )                                  \
+  X(ineighbor_alltoall, IneighborAlltoall,                                                       \
+    (one_input<mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)), )                                  \
   X(isend, Isend, (one_input<mpi::Buffer, mpi::Buffer>(base)), A(int32_t, dest) A(int32_t, tag)) \
   X(irecv, Irecv, (no_input<mpi::Buffer, mpi::Buffer>(base)), A(int32_t, source) A(int32_t, tag))
 

@@ -60,7 +60,7 @@ alltoall_p = comm_primitive("alltoall", same_shape, aliases=asked_in_place, lead
 barrier_p = comm_primitive("barrier", lambda **_: [])
 
 
-def _neighbor_blocks(x, *, comm: CommInfo, neighbors: int):
+def _neighbor_blocks(x, *, comm: CommInfo, neighbors: int, **_):
     return [core.ShapedArray((neighbors, *x.shape), x.dtype)]
 
 

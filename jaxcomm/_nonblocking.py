@@ -161,6 +161,8 @@ OPERATIONS: dict[str, Nonblocking] = {
         _declare(_collectives.bcast_p, IN_PLACE),
         _declare(_collectives.allgather_p, COLLECTIVE, batch_out=1),
         _declare(_collectives.alltoall_p, COLLECTIVE, batch_in=1, batch_out=1),
+        _declare(_collectives.neighbor_allgather_p, COLLECTIVE, batch_out=1),
+        _declare(_collectives.neighbor_alltoall_p, COLLECTIVE, batch_in=1, batch_out=1),
         _declare(_p2p.send_p, SEND),
         _declare(_p2p.recv_p, RECEIVE),
         _declare(_variable_size.alltoallv_p, VARIABLE, batch_in=1, batch_out=1),
@@ -365,13 +367,14 @@ def _wait_jvp(primals, tangents, *, operation, comm, params):
 
 
 # The adjoint of each operation, as (posted at the wait's transpose, waited at the
-# start's transpose) or, where jaxcomm's gradient convention needs no message, a
-# local function of the cotangent.
+# start's transpose) or, at the wait's transpose, a function of the cotangent:
+# where jaxcomm's gradient convention needs no message, or where the adjoint's
+# result is not shaped like x (ineighbor_allgather: a blocking neighbor_alltoall).
 class Adjoint(NamedTuple):
     operation: str | None  # the non-blocking operation that carries the cotangent
     params: Callable[..., dict] = lambda **p: p
     after: Callable[..., Any] = lambda ct, **_: ct  # applied to the waited cotangent
-    local: Callable[..., Any] | None = None  # ct -> cotangent of x, no message
+    local: Callable[..., Any] | None = None  # ct -> cotangent of x, at the wait's transpose
 
 
 def _pvaried(ct, comm, operation):
@@ -396,6 +399,11 @@ ADJOINTS: dict[str, Adjoint] = {
     ),
     "iallgather": Adjoint(None, local=lambda ct, comm: _pvaried(ct, comm, "iallgather")[comm.rank]),
     "ialltoall": Adjoint("ialltoall"),
+    "ineighbor_allgather": Adjoint(
+        None,
+        local=lambda ct, comm, neighbors: _collectives.neighbor_alltoall(ct, comm=comm).sum(axis=0),
+    ),
+    "ineighbor_alltoall": Adjoint("ineighbor_alltoall"),
     "ireduce_scatter": Adjoint(
         "iallgather",
         params=lambda **_: {},

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 from mpi4py import MPI
 
-from jaxcomm import _collectives
+from jaxcomm import _collectives, _requests
+from jaxcomm._primitive import CommInfo
 
 PyTree = Any
 
@@ -27,6 +28,7 @@ class Cartesian:
     rank: int
     sendrecv: Any
     _apply: Any
+    _comm: CommInfo
 
     def __init__(self, comm: Any = None, *, check: bool | None = None):
         super().__init__(comm, check=check)  # JaxComm's
@@ -67,22 +69,39 @@ class Cartesian:
         block ``2 d + 1`` from the upper one (``MPI_Neighbor_allgather``); blocks
         from beyond a non-periodic edge are zeros.
         """
-        neighbors = 2 * len(self.dims)
-        return self._apply(_collectives.neighbor_allgather_p, x, neighbors=neighbors)[0]
+        return self._apply(_collectives.neighbor_allgather_p, x, neighbors=self._neighbors)[0]
 
     def neighbor_alltoall(self, x: PyTree) -> PyTree:
         """x: ``(2 * len(dims), *s)``; block k goes to neighbour k and block k of
         the result comes from it, in neighbor_allgather's order
         (``MPI_Neighbor_alltoall``). Zeros from beyond a non-periodic edge.
         """
-        neighbors = 2 * len(self.dims)
+        self._check_blocks("neighbor_alltoall", x)
+        return self._apply(_collectives.neighbor_alltoall_p, x)[0]
+
+    def ineighbor_allgather(self, x: PyTree) -> _requests.Request:
+        """Post neighbor_allgather (``MPI_Ineighbor_allgather``); ``wait`` returns
+        ``(2 * len(dims), *x.shape)``."""
+        return _requests.post("ineighbor_allgather", x, self._comm, {"neighbors": self._neighbors})
+
+    def ineighbor_alltoall(self, x: PyTree) -> _requests.Request:
+        """Post neighbor_alltoall (``MPI_Ineighbor_alltoall``; x:
+        ``(2 * len(dims), *s)``); ``wait`` returns ``(2 * len(dims), *s)``."""
+        self._check_blocks("ineighbor_alltoall", x)
+        return _requests.post("ineighbor_alltoall", x, self._comm, {})
+
+    @property
+    def _neighbors(self) -> int:
+        return 2 * len(self.dims)
+
+    def _check_blocks(self, operation: str, x: PyTree) -> None:
+        """x's leaves must hold one block per neighbour."""
         for leaf in jax.tree.leaves(x):
-            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != neighbors:
+            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != self._neighbors:
                 raise ValueError(
-                    f"neighbor_alltoall: x must have a leading axis of 2 * len(dims)={neighbors} "
+                    f"{operation}: x must have a leading axis of 2 * len(dims)={self._neighbors} "
                     f"(one block per neighbour), got shape {jnp.shape(leaf)}"
                 )
-        return self._apply(_collectives.neighbor_alltoall_p, x)[0]
 
     def halo_exchange(
         self, x: PyTree, axis: int, width: int = 1, direction: int | None = None

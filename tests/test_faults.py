@@ -70,6 +70,8 @@ def test_debug_log_names_every_operation_as_the_cpp_table_does(tmp_path):
         comm.scatterv(rows if comm.rank == 0 else rows[:0], [1] * comm.size, capacity=1)
         with comm.create_cart([comm.size], [True]) as cart:
             cart.neighbor_allgather(x), cart.neighbor_alltoall(jnp.ones((2, 2)))
+            cart.wait(cart.ineighbor_allgather(x))
+            cart.wait(cart.ineighbor_alltoall(jnp.ones((2, 2))))
         comm.scatter(rows if comm.rank == 0 else x)
         comm.sendrecv(x, source=left, dest=right)
         received = comm.irecv(x, source=left)
