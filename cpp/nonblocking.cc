@@ -33,7 +33,7 @@ namespace {
 // and the result are.
 struct Owned {
   Pending pending;
-  const char* in;
+  char* in;
   char* result;
 };
 
@@ -134,6 +134,38 @@ constexpr BlockExchange kIalltoall{&MPI_Ialltoall, true, false};
 constexpr BlockExchange kIneighborAllgather{&MPI_Ineighbor_allgather, false, true};
 constexpr BlockExchange kIneighborAlltoall{&MPI_Ineighbor_alltoall, true, true};
 
+// Whether MPI_Ineighbor_alltoall delivers block s of the sender into block s ^ 1
+// of the receiver where a Cartesian dimension's lower and upper neighbours are
+// one rank (a periodic dimension of 1 or 2 ranks), as MPI 4.1 (8.6) says. Open
+// MPI's non-blocking neighbour collectives deliver it into block s (5.0.11;
+// open-mpi/ompi issue 14430): a wrong value jaxcomm must not return. Asked once,
+// of a periodic ring of this rank alone.
+bool posted_pairs_as_standard() {
+  static const bool standard = [] {
+    MPI_Comm ring;
+    int dims = 1, periods = 1;
+    MPI_Cart_create(MPI_COMM_SELF, 1, &dims, &periods, 0, &ring);
+    int sent[2] = {0, 1}, received[2] = {-1, -1};
+    MPI_Request request;
+    MPI_Ineighbor_alltoall(sent, 1, MPI_INT, received, 1, MPI_INT, ring, &request);
+    MPI_Wait(&request, MPI_STATUS_IGNORE);
+    MPI_Comm_free(&ring);
+    return received[0] == sent[1];
+  }();
+  return standard;
+}
+
+// Where the library pairs the blocks of such a dimension s to s, sending the
+// two swapped delivers each where the standard puts it: every rank along the
+// dimension has the one neighbour both ways.
+void pair_as_standard(char* blocks, const std::vector<int>& neighbors, size_t block_bytes) {
+  for (size_t lower = 0; lower + 1 < neighbors.size(); lower += 2)
+    if (neighbors[lower] == neighbors[lower + 1] && neighbors[lower] != MPI_PROC_NULL &&
+        !posted_pairs_as_standard())
+      std::swap_ranges(blocks + lower * block_bytes, blocks + (lower + 1) * block_bytes,
+                       blocks + (lower + 1) * block_bytes);
+}
+
 ffi::Error exchange_blocks(const BlockExchange& kind, const Buffer& x, Result& out, Result& request,
                            int64_t comm_key, bool check) {
   Call call(comm_key, check, x);
@@ -149,8 +181,10 @@ ffi::Error exchange_blocks(const BlockExchange& kind, const Buffer& x, Result& o
   // MPI lets a datatype be freed (Block's destructor) while a request uses it.
   Block block(elements, type);
   Owned owned = own_buffers(name, comm_key, check, x, out);
-  if (kind.neighborhood)  // MPI does not write them; owned buffers are reused
-    zero_missing(owned.result, neighbors, elements * ffi::ByteWidth(x.element_type()));
+  const size_t block_bytes = elements * ffi::ByteWidth(x.element_type());
+  if (kind.neighborhood && kind.split) pair_as_standard(owned.in, neighbors, block_bytes);
+  // Blocks from beyond an edge: MPI does not write them, and owned buffers are reused.
+  if (kind.neighborhood) zero_missing(owned.result, neighbors, block_bytes);
   JAXCOMM_CHECK_MPI(kind.post(owned.in, block.count(), block.type(), owned.result, block.count(),
                               block.type(), comm, &owned.pending.requests.emplace_back()),
                     name, comm);
