@@ -104,8 +104,9 @@ def test_many_communicators_are_freed(comm):
 
 
 def grid_shapes(size):
-    """1-d periodic and not; 2-d with a periodic first dimension."""
-    return [([size], [True]), ([size], [False]), ([0, 0], [True, False])]
+    """1-d periodic and not; 2-d with a periodic first dimension; 2-d whose
+    periodic second dimension of one rank makes each rank its own neighbour."""
+    return [([size], [True]), ([size], [False]), ([0, 0], [True, False]), ([size, 1], [True, True])]
 
 
 def neighbour_list(cart):
@@ -124,7 +125,7 @@ def as_form(cart, name, form):
     return lambda x: cart.wait(post(x))
 
 
-@pytest.mark.parametrize("shape", range(3))
+@pytest.mark.parametrize("shape", range(4))
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 @pytest.mark.parametrize("form", FORMS)
 def test_neighbor_allgather_and_alltoall_match_numpy(comm, shape, mode, form):
