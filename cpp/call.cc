@@ -199,9 +199,13 @@ void Call::show_watchdog() const {
 }
 
 Call& Call::param(std::string_view name, int64_t value) {
+  return param(name, std::string_view(std::to_string(value)));
+}
+
+Call& Call::param(std::string_view name, std::string_view value) {
   const Settings& s = settings();
   if (!(check_ || s.debug || s.timeout > 0)) return *this;
-  params_.append(", ").append(name).append("=").append(std::to_string(value));
+  params_.append(", ").append(name).append("=").append(value);
   show_watchdog();
   return *this;
 }
@@ -230,7 +234,9 @@ std::string Call::description() const {
   std::string text(operation_);
   text += '(';
   if (has_array_) text += describe_array(dtype_, dims_);
-  text += params_;
+  // Without an array the params come first: "alltoallv(dtype=float32, row=1)".
+  text += has_array_ || params_.empty() ? std::string_view(params_)
+                                        : std::string_view(params_).substr(2);
   return text + ')';
 }
 

@@ -76,6 +76,7 @@ class Call {
   // A parameter that must agree across ranks (root, reduction op), for the log
   // and the fingerprint; the op comes first. Returns *this for chaining.
   Call& param(std::string_view name, int64_t value);
+  Call& param(std::string_view name, std::string_view value);
   Call& reduce_op(int32_t op);
   // A peer of a point-to-point call: for the log only.
   Call& peer(std::string_view name, int64_t value);

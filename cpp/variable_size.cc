@@ -1,29 +1,36 @@
 // The variable-size exchanges on host memory: alltoallv (and ialltoallv),
 // allgatherv, gatherv and scatterv, each MPI's own function on rows of x (its
 // elements past the leading axis), with a static capacity of rows for the
-// result. The counts are int32 buffers, so they may change from call to call;
+// result. The counts are integer buffers, so they may change from call to call;
 // unless the caller gives them (`exchange` 0, as the AD rules do), one small
 // collective of the counts comes first. Checking mode compares given counts
 // with the exchanged ones on every rank at once.
 //
-// Every rank takes part in the data exchange whatever its own counts are, so that
-// no rank waits for another: a rank whose counts are invalid sends no rows, and a
-// rank whose incoming rows exceed its capacity receives them into a scratch
-// buffer; each then returns an error that names its counts. Rows of the result
-// past those received are zeros. Only beyond 2^31 - 1 rows, which no int counts,
-// does a rank call MPI 4's large-count form (MPI_Alltoallv_c, ...).
+// Under vmap a call carries `members` batch members: x, the counts and the
+// results gain a leading batch axis, and the call is still one exchange of
+// counts and one of rows, each peer's rows packed member after member. A batch
+// of one is the unbatched call, and its rows go to MPI where they lie.
+//
+// Every count operand is read and validated once (counts.h) before any buffer
+// is touched. Every rank takes part in the data exchange whatever its own counts
+// are, so that no rank waits for another: a rank whose counts are invalid sends
+// no rows, and a rank whose incoming rows exceed its capacity receives them into
+// a scratch buffer; each then returns an error that names its counts. Rows of the
+// result past those received are zeros. Only beyond 2^31 - 1 rows, which no int
+// counts, does a rank call MPI 4's large-count form (MPI_Alltoallv_c, ...).
 #include "variable_size.h"
 
 #include <mpi.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <span>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "call.h"
+#include "counts.h"
 #include "datatypes.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
@@ -38,26 +45,20 @@ namespace {
 
 constexpr bool kLargeCounts = JAXCOMM_LARGE_COUNTS;
 
-std::string counts_text(std::span<const int> counts) {
-  std::string text = "[";
-  for (size_t i = 0; i < counts.size(); ++i) text += (i ? ", " : "") + std::to_string(counts[i]);
-  return text + "]";
-}
+// The `exchange` attribute: where the counts received come from.
+enum Counting : int32_t {
+  kGiven = 0,      // the caller's, trusted
+  kExchanged = 1,  // learnt from the senders first
+  // The AD rules', from an exchange made before: the same again (a tangent's),
+  // or back (an adjoint's). A count refused there sent no rows, so an invalid
+  // one here reads as 0 and is this call's error too.
+  kMirrored = 2,
+  kReversed = 3,
+};
 
-int64_t sum(std::span<const int> counts) {
-  int64_t total = 0;
-  for (int c : counts) total += c;
-  return total;
-}
+bool mirrors(int32_t counting) { return counting == kMirrored || counting == kReversed; }
 
-// The `n` counts of an int32 buffer, read where XLA holds them (host memory:
-// the CUDA backend stages the variable-size exchanges).
-static_assert(std::is_same_v<int, int32_t>, "counts are int32 buffers and MPI's int counts");
-std::span<const int> counts_of(const Buffer& b, size_t n) {
-  return {static_cast<const int*>(b.untyped_data()), n};
-}
-
-// Counts of rows and where each rank's rows start, of the types MPI's function
+// Counts of rows and where each peer's rows start, of the types MPI's function
 // takes: ints, or MPI 4's MPI_Count and MPI_Aint (the _c functions) beyond int.
 template <typename C, typename S>
 struct Counted {
@@ -98,27 +99,126 @@ struct Functions<LargeCounts> {
 };
 #endif
 
-// x's rows: how many x has, the unit in which MPI counts them (fit), and where
-// `out` is; what every variable-size exchange starts with. Checking mode agrees
-// on the dtype, the row's size and the params.
+// A call's batch: `members` batch members where the count operand `counts` has a
+// leading batch axis beyond its `unbatched` dimensions (then x and the results
+// have one too), else one.
+struct Batch {
+  int64_t members;
+  bool batched;
+};
+
+Batch batch_of(const Buffer& counts, size_t unbatched) {
+  const auto dims = counts.dimensions();
+  const bool batched = dims.size() > unbatched;
+  return {batched ? dims[0] : 1, batched};
+}
+
+// `values` (rows x cols, row-major) transposed, in `storage` unless one row is
+// its own transpose; the count exchanges send each peer its counts of every
+// member together.
+std::span<const int> transposed(std::span<const int> values, int64_t rows, int64_t cols,
+                                std::vector<int>& storage) {
+  if (rows == 1 || cols == 1) return values;
+  storage.resize(values.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) storage[c * rows + r] = values[r * cols + c];
+  return storage;
+}
+
+// Rows to or from each peer: member b's counts[b][p] rows to (from) peer p,
+// taken from (put at) member b's rows in peer order. MPI sees each peer's rows of
+// all members together: in place for one member, packed for several.
+class Blocks {
+ public:
+  Blocks(const Counts& counts) : counts_(counts) {}
+
+  // Rows to or from each peer, all members together.
+  std::span<const int64_t> per_peer() {
+    if (per_peer_.empty()) {
+      per_peer_.assign(counts_.per_member(), 0);
+      for (int64_t b = 0; b < counts_.members(); ++b) {
+        const auto member = counts_.member(b);
+        for (size_t p = 0; p < member.size(); ++p) per_peer_[p] += member[p];
+      }
+    }
+    return per_peer_;
+  }
+  bool packed() const { return counts_.members() > 1; }
+
+  // Copies the blocks out of `members` of `member_rows` rows each (of which only
+  // the first `available` hold data; zeros stand for the others) into `out`, peer
+  // after peer.
+  void pack(const char* members, int64_t member_rows, int64_t available, int64_t row_bytes,
+            char* out) const {
+    each_block([&](int64_t b, int64_t at, int64_t rows) {
+      const int64_t have = std::clamp<int64_t>(available - at, 0, rows);
+      const char* from = members + (b * member_rows + at) * row_bytes;
+      memory().copy(out, from, static_cast<size_t>(have * row_bytes));
+      static const char nothing = 0;
+      memory().fill(out + have * row_bytes, &nothing, 1, (rows - have) * row_bytes);
+      out += rows * row_bytes;
+    });
+  }
+  // The reverse: blocks packed peer after peer at `in` to their members' rows.
+  void unpack(const char* in, char* members, int64_t member_rows, int64_t row_bytes) const {
+    each_block([&](int64_t b, int64_t at, int64_t rows) {
+      memory().copy(members + (b * member_rows + at) * row_bytes, in,
+                    static_cast<size_t>(rows * row_bytes));
+      in += rows * row_bytes;
+    });
+  }
+
+ private:
+  // f(member, its first row, rows) for each block, peer after peer.
+  template <typename F>
+  void each_block(F&& f) const {
+    const int64_t members = counts_.members(), peers = counts_.per_member();
+    std::vector<int64_t> at(members, 0);
+    for (int64_t p = 0; p < peers; ++p)
+      for (int64_t b = 0; b < members; ++b) {
+        const int rows = counts_.member(b)[p];
+        f(b, at[b], rows);
+        at[b] += rows;
+      }
+  }
+
+  const Counts& counts_;
+  std::vector<int64_t> per_peer_;
+};
+
+// x's rows: how many each member has, the unit in which MPI counts them (fit),
+// and where `out` is; what every variable-size exchange starts with. Checking
+// mode agrees on the dtype, the row's size, the batch, whether counts are
+// exchanged, and the params.
+void place(char* result, const char* arrived, const Counts& received, int64_t capacity,
+           int64_t row_bytes);
+void write_counts(Result& counts_out, const Counts& counts);
+
 class Rows {
  public:
-  Rows(Call& call, const Buffer& x, Result& out) : call_(call), out_(out) {
+  // `given` names the counts a caller may give instead of their exchange, for
+  // checking mode's fingerprint: every rank must give them, or none.
+  Rows(Call& call, const Buffer& x, Result& out, Batch batch, bool exchange, const char* given)
+      : call_(call), out_(out), members_(batch.members) {
     const auto dims = x.dimensions();
-    if (dims.size() == 0) {
+    const size_t first = batch.batched ? 1 : 0;  // the axis of rows
+    if (dims.size() <= first) {
       error_ = invalid_argument(call.operation(), "x needs a leading axis of rows");
       return;
     }
     int64_t elements = 1;
-    for (size_t i = 1; i < dims.size(); ++i) elements *= dims[i];
+    for (size_t i = first + 1; i < dims.size(); ++i) elements *= dims[i];
     if (elements > kMaxCount) {
       error_ = invalid_argument(call.operation(), "rows of more than 2^31 - 1 elements");
       return;
     }
-    rows_ = dims[0];
+    rows_ = dims[first];
+    capacity_ = out->dimensions()[first];
     elements_ = elements;
     bytes_ = elements * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
-    call.param("dtype", static_cast<int64_t>(x.element_type())).param("row", elements);
+    call.param("dtype", dtype_name(x.element_type())).param("row", elements);
+    if (members_ > 1) call.param("batch", members_);
+    call.param(given, exchange ? "exchanged" : "given");
     auto [error, comm, type] = start(call, x);
     error_ = std::move(error);
     comm_ = comm;
@@ -167,15 +267,15 @@ class Rows {
   Count unit(int64_t rows) const {
     return static_cast<Count>(row_ != MPI_DATATYPE_NULL ? rows : rows * elements_);
   }
-  // Counts of rows, and where each rank's rows start, in that unit.
-  template <typename Counts>
-  Counts counted(std::span<const int> rows) const {
-    Counts out;
+  // Counts of rows, and where each peer's rows start, in that unit.
+  template <typename Counted, typename T>
+  Counted counted(std::span<const T> rows) const {
+    Counted out;
     out.counts.reserve(rows.size());
     out.starts.reserve(rows.size());
-    typename Counts::Start start = 0;
-    for (int r : rows) {
-      out.counts.push_back(unit<typename Counts::Count>(r));
+    typename Counted::Start start = 0;
+    for (T r : rows) {
+      out.counts.push_back(unit<typename Counted::Count>(r));
       out.starts.push_back(start);
       start += out.counts.back();
     }
@@ -185,13 +285,16 @@ class Rows {
   ffi::Error take_error() { return std::move(error_); }
   MPI_Comm comm() const { return comm_; }
   int64_t rows() const { return rows_; }
+  int64_t members() const { return members_; }
+  int64_t capacity() const { return capacity_; }
+  int64_t row_bytes() const { return bytes_; }
 
   // Checking mode: whether any rank's given counts differ from what the others
   // send it, learnt by every rank before the exchange could wait for rows that
   // never come. `given` (the argument `name`) and `sent` describe this rank's
   // for the error.
-  ffi::Error agree(bool differ, const char* name, const std::string& given,
-                   const std::string& sent) {
+  ffi::Error agree(bool differ, const char* name, std::span<const int> given,
+                   std::span<const int> sent) {
     int any = differ ? 1 : 0;
     JAXCOMM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &any, 1, MPI_INT, MPI_MAX, comm_),
                       call_.operation(), comm_);
@@ -200,128 +303,182 @@ class Rows {
         ffi::ErrorCode::kFailedPrecondition,
         "jaxcomm check: " + std::string(call_.operation()) + " on rank " +
             std::to_string(comm_rank(comm_)) +
-            (differ ? ": " + std::string(name) + "=" + given + " but the ranks send " + sent
+            (differ ? ": " + std::string(name) + "=" + counts_text(given) + " but the ranks send " +
+                          counts_text(sent)
                     : ": another rank's " + std::string(name) + " differ from what is sent"));
   }
 
-  // Where `total` incoming rows go: out, or a scratch buffer if they overflow it.
-  char* destination(int64_t total) {
-    if (total <= capacity()) return bytes(out_);
-    scratch_.resize(static_cast<size_t>(total * bytes_));
-    return scratch_.data();
+  ffi::Error refuse(const std::string& why) const {
+    return invalid_argument(call_.operation(), why);
   }
 
-  // Ends the exchange: writes the counts received into `counts_out`, zeros out's
-  // rows past the `total` received (all of them after an overflow), then gives
-  // `outcome`'s error, if any.
-  ffi::Error finish(Result& counts_out, std::span<const int> received, int64_t total, bool bad,
-                    const char* name, std::span<const int> asked) {
+  // Whether the rows `received` (per member) fit the result.
+  bool fits(const Counts& received) const { return received.most() <= capacity_; }
+
+  // Where the incoming rows go: the result itself for one member that fits, else a
+  // buffer of `scratch` (packed, or dropped after an overflow).
+  char* destination(const Counts& received, std::vector<char>& scratch) {
+    if (!Blocks(received).packed() && fits(received)) return bytes(out_);
+    scratch.resize(static_cast<size_t>(received.total() * bytes_));
+    return scratch.data();
+  }
+
+  // Ends the exchange: the rows that arrived at `arrived` go to out (place), and
+  // the counts received to `counts_out`.
+  void settle(const char* arrived, const Counts& received, Result& counts_out) const {
+    place(bytes(out_), arrived, received, capacity_, bytes_);
     write_counts(counts_out, received);
-    zero_rows_past(bytes(out_), total);
-    return outcome(received, total, bad, name, asked);
   }
 
-  void write_counts(Result& counts_out, std::span<const int> received) const {
-    memory().copy(counts_out->untyped_data(), received.data(), received.size_bytes());
-  }
-
-  // Zeros the rows of a result at `result` past the `total` received (all of
-  // them after an overflow).
-  void zero_rows_past(char* result, int64_t total) const {
-    const int64_t kept = total <= capacity() ? total : 0;
-    static const char nothing = 0;
-    memory().fill(result + kept * bytes_, &nothing, 1, (capacity() - kept) * bytes_);
-  }
-
-  // The error of an overflow, or of this rank's own invalid counts (`bad`: the
-  // argument `name` was `asked`; it sent no rows), if any.
-  ffi::Error outcome(std::span<const int> received, int64_t total, bool bad, const char* name,
-                     std::span<const int> asked) const {
-    if (total > capacity())
+  // The error of this call, if any: this rank's own invalid counts (it sent
+  // none, or zeros in place of rows it lacks), invalid given counts (it kept no
+  // rows), or more rows than capacity (it kept none).
+  ffi::Error outcome(const Counts& sent, bool padded, const Counts& received) const {
+    if (!sent.valid())
       return invalid_argument(call_.operation(),
-                              "the counts received " + counts_text(received) + " add up to " +
-                                  std::to_string(total) + " rows, more than capacity=" +
-                                  std::to_string(capacity()) + " (the rows were not kept)");
-    if (bad)
-      return invalid_argument(call_.operation(),
-                              std::string(name) + "=" + counts_text(asked) +
-                                  " must be non-negative and add up to at most x's " +
-                                  std::to_string(rows_) + " rows (this rank sent none)");
+                              sent.error() + (padded ? " (this rank sent zeros in place of the "
+                                                       "rows it lacks)"
+                                                     : " (this rank sent no rows)"));
+    if (!received.valid())  // mirrored counts (received_counts)
+      return invalid_argument(call_.operation(), received.error() + " (this rank sent no rows)");
+    if (!fits(received)) {
+      std::string what = "the counts received " + counts_text(received.values()) + " add up to " +
+                         std::to_string(received.most()) + " rows";
+      if (members_ > 1) what += " in a batch member";
+      return invalid_argument(
+          call_.operation(),
+          what + ", more than capacity=" + std::to_string(capacity_) + " (the rows were not kept)");
+    }
     return ffi::Error::Success();
   }
 
-  int64_t row_bytes() const { return bytes_; }
-
  private:
-  int64_t capacity() const { return out_->dimensions()[0]; }
-
   Call& call_;
   Result& out_;
+  int64_t members_;
   ffi::Error error_ = ffi::Error::Success();
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Datatype base_ = MPI_DATATYPE_NULL, row_ = MPI_DATATYPE_NULL;
-  int64_t rows_ = 0, elements_ = 0, bytes_ = 0;
+  int64_t rows_ = 0, capacity_ = 0, elements_ = 0, bytes_ = 0;
   bool large_ = false;  // counts beyond int: MPI 4's _c functions
-  std::vector<char> scratch_;
 };
 
-// Counts that a rank may send from x's `rows`: none negative, their sum within.
-bool valid(std::span<const int> counts, int64_t rows) {
-  return std::all_of(counts.begin(), counts.end(), [](int c) { return c >= 0; }) &&
-         sum(counts) <= rows;
+// Puts the rows received into `result` (out, or a buffer the request owns), each
+// member's `capacity` rows of `row_bytes`: those that arrived packed at `arrived`
+// go to their members, and the rows past those received are zeros (all of them
+// after an overflow).
+void place(char* result, const char* arrived, const Counts& received, int64_t capacity,
+           int64_t row_bytes) {
+  const bool kept = received.most() <= capacity;
+  if (kept && arrived != result) Blocks(received).unpack(arrived, result, capacity, row_bytes);
+  static const char nothing = 0;
+  for (int64_t b = 0; b < received.members(); ++b) {
+    const auto member = received.member(b);
+    const int64_t filled = kept ? std::accumulate(member.begin(), member.end(), int64_t{0}) : 0;
+    memory().fill(result + (b * capacity + filled) * row_bytes, &nothing, 1,
+                  (capacity - filled) * row_bytes);
+  }
 }
 
-// A rank's own count of rows to send (allgatherv, gatherv): `asked`, and what it
-// sends, none if that is not between 0 and x's rows.
-struct OwnCount {
-  int asked, sending;
-  bool bad;
-};
-
-OwnCount own_count(const Buffer& count, int64_t rows) {
-  const int asked = counts_of(count, 1)[0];
-  const bool bad = asked < 0 || asked > rows;
-  return {asked, bad ? 0 : asked, bad};
+void write_counts(Result& counts_out, const Counts& counts) {
+  memory().copy(counts_out->untyped_data(), counts.values().data(), counts.values().size_bytes());
 }
 
-}  // namespace
+// Whether a rank whose counts were refused for adding up to more rows than x has
+// sends its rows and zeros in place of the rest: in an adjoint's exchange, where
+// it sends back the rows it received before, more than its capacity (an
+// overflow, which it reported), and its peers wait for as many.
+bool pads(const Counts& sent, int32_t counting) {
+  return !sent.valid() && counting == kReversed && !sent.asked().empty();
+}
 
-namespace {
-
-// alltoallv's counts: what this rank asked to send (`bad` if invalid: then it
-// sends none) and what it receives, given or exchanged.
-struct AlltoallvCounts {
-  std::span<const int> asked, sending;  // sending: asked, or `none` if asked is invalid
-  std::vector<int> none, receiving;
-  bool bad = false;
-  int64_t total = 0;  // rows received
+// What this rank sends: x's rows as MPI takes them (in place for one member whose
+// counts are valid; else packed, with zeros where a refused count asked for rows
+// that x lacks and the peers were given the counts).
+struct Sending {
+  const char* data;
+  std::vector<char> packed;
 };
 
+Sending sending(const Rows& rows, const Buffer& x, const Counts& sent, int32_t counting) {
+  const auto* data = static_cast<const char*>(x.untyped_data());
+  const bool pad = pads(sent, counting);
+  if (!pad && !Blocks(sent).packed()) return {data, {}};
+  const Counts counts =
+      Counts::view(pad ? sent.asked() : sent.values(), sent.members(), sent.per_member());
+  Sending s{nullptr, std::vector<char>(static_cast<size_t>(counts.total() * rows.row_bytes()))};
+  Blocks(counts).pack(data, rows.rows(), rows.rows(), rows.row_bytes(), s.packed.data());
+  s.data = s.packed.data();
+  return s;
+}
+
+// The counts MPI sends: the asked ones where a refused rank pads with zeros.
+Counts sent_counts(const Counts& sent, int32_t counting) {
+  return Counts::view(pads(sent, counting) ? sent.asked() : sent.values(), sent.members(),
+                      sent.per_member());
+}
+
+// The counts this rank receives: `exchanged` (what the senders said), unless
+// given (`given`, the argument `name`). In checking mode every rank compares its
+// given counts with the exchanged ones. Given counts that no exchange could match
+// (negative, beyond int32) are refused before the exchange, as a bad root is:
+// rows would arrive for which this rank has no count, and MPI cannot take them
+// without leaving messages that a later collective would match.
+ffi::Error received_counts(Rows& rows, int32_t counting, bool check, const Buffer& given,
+                           const char* name, std::vector<int> exchanged, int64_t per_member,
+                           std::vector<Counts>& out) {
+  if (counting == kExchanged) {
+    out.emplace_back(std::move(exchanged), rows.members(), per_member);
+    return ffi::Error::Success();
+  }
+  Counts& counts = out.emplace_back(given, name, rows.members(), per_member);
+  // Counts that were refused in the exchange mirrored sent no rows: they read as
+  // zeros, and the refusal is this call's error. An adjoint receives what x's
+  // rows were (its capacity): counts beyond them were refused too.
+  if (counting == kReversed) counts.within(rows.capacity());
+  if (mirrors(counting)) return ffi::Error::Success();
+  if (check)
+    if (auto err = rows.agree(!counts.valid() || !std::ranges::equal(counts.values(), exchanged),
+                              name, counts.values(), exchanged);
+        err.failure())
+      return err;
+  if (!counts.valid())
+    return rows.refuse(counts.error() +
+                       " (given counts are trusted: "
+                       "this rank did not take part in the exchange)");
+  return ffi::Error::Success();
+}
+
+// alltoallv's counts: this rank's own (refused, and so none, if invalid) and
+// those it receives, given or exchanged.
 ffi::Error alltoallv_counts(Call& call, Rows& rows, const Buffer& send_counts,
-                            const Buffer& given_counts, bool exchange, bool check,
-                            AlltoallvCounts& counts) {
+                            const Buffer& given_counts, int32_t counting, bool check,
+                            std::vector<Counts>& counts) {
+  const bool exchange = counting == kExchanged;
   MPI_Comm comm = rows.comm();
   const int size = comm_size(comm);
-  counts.asked = counts_of(send_counts, size);
-  counts.bad = !valid(counts.asked, rows.rows());
-  if (counts.bad) counts.none.assign(size, 0);
-  counts.sending = counts.bad ? counts.none : counts.asked;
-  counts.receiving.assign(size, 0);
-  if (exchange || check)
-    JAXCOMM_CHECK_MPI(
-        MPI_Alltoall(counts.sending.data(), 1, MPI_INT, counts.receiving.data(), 1, MPI_INT, comm),
-        call.operation(), comm);
-  if (!exchange) {
-    const std::span<const int> given = counts_of(given_counts, size);
-    if (check)
-      if (auto err = rows.agree(!std::ranges::equal(given, counts.receiving), "recv_counts",
-                                counts_text(given), counts_text(counts.receiving));
-          err.failure())
-        return err;
-    counts.receiving.assign(given.begin(), given.end());
+  const int64_t members = rows.members();
+  Counts& sent = counts.emplace_back(send_counts, "send_counts", members, size);
+  sent.within(rows.rows());
+  std::vector<int> exchanged(sent.values().size(), 0);
+  if (exchange || check) {
+    // Each peer gets its counts of every member together.
+    std::vector<int> storage;
+    const auto out = transposed(sent_counts(sent, counting).values(), members, size, storage);
+    std::vector<int> in(out.size());
+    JAXCOMM_CHECK_MPI(MPI_Alltoall(out.data(), static_cast<int>(members), MPI_INT, in.data(),
+                                   static_cast<int>(members), MPI_INT, comm),
+                      call.operation(), comm);
+    const auto back = transposed(in, size, members, storage);
+    exchanged.assign(back.begin(), back.end());
   }
-  counts.total = sum(counts.receiving);
-  return rows.fit(sum(counts.sending), counts.total);
+  // An adjoint's recv_counts are the send_counts of the exchange it reverses.
+  const char* given_name = counting == kReversed ? "send_counts" : "recv_counts";
+  if (auto err = received_counts(rows, counting, check, given_counts, given_name,
+                                 std::move(exchanged), size, counts);
+      err.failure())
+    return err;
+  return rows.fit(sent_counts(sent, counting).total(), counts[1].total());
 }
 
 // A copy of `values` in a buffer of `pending`'s, for MPI to read until it completes.
@@ -333,25 +490,36 @@ const T* owned(Pending& pending, const std::vector<T>& values) {
 }  // namespace
 
 ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut, Result out,
-                     Result recv_counts, int64_t comm_key, bool check, int32_t exchange) {
+                     Result recv_counts, int64_t comm_key, bool check, int32_t counting,
+                     int32_t defer) {
   Call call(comm_key, check);
-  Rows rows(call, x, out);
+  const bool exchange = counting == kExchanged;
+  Rows rows(call, x, out, batch_of(send_counts, 1), exchange, "recv_counts");
   if (auto err = rows.take_error(); err.failure()) return err;
-  AlltoallvCounts counts;
-  if (auto err = alltoallv_counts(call, rows, send_counts, given_counts, exchange, check, counts);
+  std::vector<Counts> counts;
+  counts.reserve(2);
+  if (auto err = alltoallv_counts(call, rows, send_counts, given_counts, counting, check, counts);
       err.failure())
     return err;
-  char* into = rows.destination(counts.total);
-  const int code = rows.in_units([&]<typename Counts>(Counts) {
-    const Counts send = rows.counted<Counts>(counts.sending);
-    const Counts recv = rows.counted<Counts>(counts.receiving);
-    return Functions<Counts>::alltoallv(x.untyped_data(), send.counts.data(), send.starts.data(),
-                                        rows.type(), into, recv.counts.data(), recv.starts.data(),
-                                        rows.type(), rows.comm());
+  const Counts sent = sent_counts(counts[0], counting);
+  const Counts& received = counts[1];
+  const Sending from = sending(rows, x, counts[0], counting);
+  std::vector<char> scratch;
+  char* into = rows.destination(received, scratch);
+  Blocks out_blocks(sent), in_blocks(received);
+  const int code = rows.in_units([&]<typename C>(C) {
+    const C send = sent.members() > 1 ? rows.counted<C>(out_blocks.per_peer())
+                                      : rows.counted<C>(sent.member(0));
+    const C recv = received.members() > 1 ? rows.counted<C>(in_blocks.per_peer())
+                                          : rows.counted<C>(received.member(0));
+    return Functions<C>::alltoallv(from.data, send.counts.data(), send.starts.data(), rows.type(),
+                                   into, recv.counts.data(), recv.starts.data(), rows.type(),
+                                   rows.comm());
   });
   JAXCOMM_CHECK_MPI(code, call.operation(), rows.comm());
-  return rows.finish(recv_counts, counts.receiving, counts.total, counts.bad, "send_counts",
-                     counts.asked);
+  rows.settle(into, received, recv_counts);
+  auto error = rows.outcome(counts[0], pads(counts[0], counting), received);
+  return defer ? ffi::Error::Success() : std::move(error);
 }
 
 // Posts MPI_Ialltoallv on buffers the pending request owns (requests.h): a copy
@@ -359,157 +527,208 @@ ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, T
 // the request completes. The counts are known at the post (given, or exchanged
 // then with a blocking MPI_Alltoall) and returned at once; an overflow or this
 // rank's invalid counts are reported by the wait, after the exchange every rank
-// took part in.
+// took part in. A batch's rows arrive packed and go to their members at the wait.
 ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
                       Result out, Result request, Result /*keep*/, Result recv_counts,
-                      int64_t comm_key, bool check, int32_t exchange) {
+                      int64_t comm_key, bool check, int32_t counting) {
   Call call(comm_key, check);
-  Rows rows(call, x, out);
+  const bool exchange = counting == kExchanged;
+  Rows rows(call, x, out, batch_of(send_counts, 1), exchange, "recv_counts");
   if (auto err = rows.take_error(); err.failure()) return err;
-  AlltoallvCounts counts;
-  if (auto err = alltoallv_counts(call, rows, send_counts, given_counts, exchange, check, counts);
+  std::vector<Counts> counts;
+  counts.reserve(2);
+  if (auto err = alltoallv_counts(call, rows, send_counts, given_counts, counting, check, counts);
       err.failure())
     return err;
-  rows.write_counts(recv_counts, counts.receiving);
+  const Counts sent = sent_counts(counts[0], counting);
+  const Counts& received = counts[1];
+  write_counts(recv_counts, received);
   Pending pending{call.operation(), comm_key, check};
-  const char* in = pending.own_copy(x.untyped_data(), x.size_bytes());
+  const Sending from = sending(rows, x, counts[0], counting);
+  const char* in = from.packed.empty() ? pending.own_copy(x.untyped_data(), x.size_bytes())
+                                       : pending.own_copy(from.packed.data(), from.packed.size());
   char* result = pending.own_result(out->size_bytes());
-  const bool overflow = counts.total > out->dimensions()[0];
-  // Overflowing rows are received in full, then dropped.
+  // The rows arrive in the result itself, or packed (a batch) or beyond capacity
+  // in a buffer of their own; the wait then places them.
+  const bool direct = !Blocks(received).packed() && rows.fits(received);
   char* into =
-      overflow ? pending.own(static_cast<size_t>(counts.total * rows.row_bytes())) : result;
-  rows.zero_rows_past(result, counts.total);
-  pending.finish = [error = rows.outcome(counts.receiving, counts.total, counts.bad, "send_counts",
-                                         counts.asked)](Call&, const MPI_Status*, int32_t*) {
-    return error;
+      direct ? result : pending.own(static_cast<size_t>(received.total() * rows.row_bytes()));
+  if (direct) place(result, result, received, rows.capacity(), rows.row_bytes());
+  pending.finish = [result, into, direct, capacity = rows.capacity(), row_bytes = rows.row_bytes(),
+                    members = rows.members(), per_member = received.per_member(),
+                    values = std::vector<int>(received.values().begin(), received.values().end()),
+                    error = rows.outcome(counts[0], pads(counts[0], counting), received)](
+                       Call&, const MPI_Status*, int32_t*) mutable {
+    if (!direct)
+      place(result, into, Counts(std::move(values), members, per_member), capacity, row_bytes);
+    return std::move(error);
   };
-  const int code = rows.in_units([&]<typename Counts>(Counts) {
-    const Counts send = rows.counted<Counts>(counts.sending);
-    const Counts recv = rows.counted<Counts>(counts.receiving);
-    return Functions<Counts>::ialltoallv(
-        in, owned(pending, send.counts), owned(pending, send.starts), rows.type(), into,
-        owned(pending, recv.counts), owned(pending, recv.starts), rows.type(), rows.comm(),
-        &pending.requests.emplace_back());
+  Blocks out_blocks(sent), in_blocks(received);
+  const int code = rows.in_units([&]<typename C>(C) {
+    const C send = sent.members() > 1 ? rows.counted<C>(out_blocks.per_peer())
+                                      : rows.counted<C>(sent.member(0));
+    const C recv = received.members() > 1 ? rows.counted<C>(in_blocks.per_peer())
+                                          : rows.counted<C>(received.member(0));
+    return Functions<C>::ialltoallv(in, owned(pending, send.counts), owned(pending, send.starts),
+                                    rows.type(), into, owned(pending, recv.counts),
+                                    owned(pending, recv.starts), rows.type(), rows.comm(),
+                                    &pending.requests.emplace_back());
   });
   JAXCOMM_CHECK_MPI(code, call.operation(), rows.comm());
   return post(request->untyped_data(), std::move(pending));
 }
 
-ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
-                      Result counts_out, int64_t comm_key, bool check, int32_t exchange) {
-  Call call(comm_key, check);
-  Rows rows(call, x, out);
-  if (auto err = rows.take_error(); err.failure()) return err;
-  MPI_Comm comm = rows.comm();
-  const int size = comm_size(comm);
-  auto [asked, sending, bad] = own_count(count, rows.rows());
-  std::vector<int> counts(size, 0);
-  if (exchange || check)
-    JAXCOMM_CHECK_MPI(MPI_Allgather(&sending, 1, MPI_INT, counts.data(), 1, MPI_INT, comm),
-                      call.operation(), comm);
-  if (!exchange) {
-    const std::span<const int> given = counts_of(given_counts, size);
-    if (check)
-      if (auto err = rows.agree(!std::ranges::equal(given, counts), "counts", counts_text(given),
-                                counts_text(counts));
-          err.failure())
-        return err;
-    counts.assign(given.begin(), given.end());
-  }
-  const int64_t total = sum(counts);
-  if (auto err = rows.fit(sending, total); err.failure()) return err;
-  char* into = rows.destination(total);
-  const int code = rows.in_units([&]<typename Counts>(Counts) {
-    const Counts recv = rows.counted<Counts>(counts);
-    return Functions<Counts>::allgatherv(
-        x.untyped_data(), rows.unit<typename Counts::Count>(sending), rows.type(), into,
-        recv.counts.data(), recv.starts.data(), rows.type(), comm);
-  });
-  JAXCOMM_CHECK_MPI(code, call.operation(), comm);
-  return rows.finish(counts_out, counts, total, bad, "count", {&asked, 1});
-}
+// allgatherv and gatherv: each member's first `count` rows of x from every rank,
+// to every rank (gatherv: to root only). `root` < 0: allgatherv.
+namespace {
 
-// Only the root's counts are exchanged and checked: the other ranks' counts
-// output holds their own count at their rank and zeros elsewhere.
-ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
-                   Result counts_out, int64_t comm_key, bool check, int32_t root,
-                   int32_t exchange) {
-  Call call(comm_key, check);
-  call.param("root", root);
-  Rows rows(call, x, out);
+ffi::Error gather_rows(Call& call, const Buffer& x, const Buffer& count, const Buffer& given_counts,
+                       Result& out, Result& counts_out, bool check, int32_t counting, bool defer,
+                       int root) {
+  const bool exchange = counting == kExchanged;
+  Rows rows(call, x, out, batch_of(count, 0), exchange, "counts");
   if (auto err = rows.take_error(); err.failure()) return err;
   MPI_Comm comm = rows.comm();
   const int size = comm_size(comm), rank = comm_rank(comm);
-  const bool is_root = rank == root;
-  auto [asked, sending, bad] = own_count(count, rows.rows());
-  std::vector<int> counts(size, 0);
-  if (exchange || check)
-    JAXCOMM_CHECK_MPI(MPI_Gather(&sending, 1, MPI_INT, counts.data(), 1, MPI_INT, root, comm),
+  const bool everyone = root < 0, receives = everyone || rank == root;
+  const int64_t members = rows.members();
+  Counts own(count, "count", members, 1);
+  own.within(rows.rows());
+  const Counts sent = sent_counts(own, counting);
+  std::vector<int> exchanged(static_cast<size_t>(members * size), 0);
+  int refused_by = -1;  // allgatherv: a rank whose count was refused, if any
+  if (exchange || check) {
+    // allgatherv's result is one value on every rank, which lacks the rows of a
+    // rank that refused its count: that rank sends -1, and every rank raises.
+    const std::vector<int> refused(static_cast<size_t>(members), -1);
+    const int* mine = everyone && !own.valid() ? refused.data() : sent.values().data();
+    std::vector<int> in(exchanged.size());
+    const int n = static_cast<int>(members);
+    JAXCOMM_CHECK_MPI(everyone ? MPI_Allgather(mine, n, MPI_INT, in.data(), n, MPI_INT, comm)
+                               : MPI_Gather(mine, n, MPI_INT, in.data(), n, MPI_INT, root, comm),
                       call.operation(), comm);
-  if (!exchange) {
-    const std::span<const int> given =
-        is_root ? counts_of(given_counts, size) : std::span<const int>(counts);
-    if (check)  // the root compares what was sent with what it was given
-      if (auto err = rows.agree(!std::ranges::equal(given, counts), "counts", counts_text(given),
-                                counts_text(counts));
-          err.failure())
-        return err;
-    if (is_root) counts.assign(given.begin(), given.end());
+    for (size_t i = 0; i < in.size(); ++i)
+      if (in[i] < 0) {
+        refused_by = static_cast<int>(i / members);
+        in[i] = 0;
+      }
+    std::vector<int> storage;
+    const auto back = transposed(in, size, members, storage);
+    exchanged.assign(back.begin(), back.end());
   }
-  const int64_t total = is_root ? sum(counts) : 0;
-  if (auto err = rows.fit(sending, total); err.failure()) return err;
-  char* into = rows.destination(total);
-  const int code = rows.in_units([&]<typename Counts>(Counts) {
-    const Counts recv = rows.counted<Counts>(counts);
-    return Functions<Counts>::gatherv(x.untyped_data(), rows.unit<typename Counts::Count>(sending),
-                                      rows.type(), into, recv.counts.data(), recv.starts.data(),
-                                      rows.type(), root, comm);
+  std::vector<Counts> counts;
+  if (receives) {
+    if (auto err = received_counts(rows, counting, check, given_counts, "counts",
+                                   std::move(exchanged), size, counts);
+        err.failure())
+      return err;
+  } else {
+    // Only the root receives: elsewhere the counts output holds this rank's own
+    // count at its rank and zeros elsewhere. Checking mode agrees with the root.
+    std::vector<int> mine(static_cast<size_t>(members * size), 0);
+    for (int64_t b = 0; b < members; ++b) mine[b * size + rank] = sent.member(b)[0];
+    if (check && counting == kGiven)  // as received_counts on the root
+      if (auto err = rows.agree(false, "counts", {}, {}); err.failure()) return err;
+    counts.emplace_back(std::move(mine), members, size);
+  }
+  const Counts& received = counts[0];
+  const Counts none(std::vector<int>(static_cast<size_t>(members * size), 0), members, size);
+  const Counts& arriving = receives ? received : none;
+  if (auto err = rows.fit(sent.total(), arriving.total()); err.failure()) return err;
+  const Sending from = sending(rows, x, own, counting);
+  std::vector<char> scratch;
+  char* into = rows.destination(arriving, scratch);
+  Blocks in_blocks(arriving);
+  const int code = rows.in_units([&]<typename C>(C) {
+    const C recv =
+        members > 1 ? rows.counted<C>(in_blocks.per_peer()) : rows.counted<C>(arriving.member(0));
+    const auto mine = rows.unit<typename C::Count>(sent.total());
+    if (everyone)
+      return Functions<C>::allgatherv(from.data, mine, rows.type(), into, recv.counts.data(),
+                                      recv.starts.data(), rows.type(), comm);
+    return Functions<C>::gatherv(from.data, mine, rows.type(), into, recv.counts.data(),
+                                 recv.starts.data(), rows.type(), root, comm);
   });
-  JAXCOMM_CHECK_MPI(code, call.operation(), comm);
-  if (!is_root) {
-    counts.assign(size, 0);
-    counts[rank] = sending;
-  }
-  return rows.finish(counts_out, counts, total, bad, "count", {&asked, 1});
+  JAXCOMM_CHECK_MPI(code, call.operation(), rows.comm());
+  rows.settle(into, arriving, counts_out);
+  if (!receives) write_counts(counts_out, received);  // this rank's own
+  auto error = rows.outcome(own, pads(own, counting), arriving);
+  if (error.success() && refused_by >= 0)
+    error = rows.refuse("rank " + std::to_string(refused_by) +
+                        "'s count was refused, so every rank's rows lack its rows");
+  return defer ? ffi::Error::Success() : std::move(error);
+}
+
+}  // namespace
+
+ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
+                      Result counts_out, int64_t comm_key, bool check, int32_t exchange,
+                      int32_t defer) {
+  Call call(comm_key, check);
+  return gather_rows(call, x, count, given_counts, out, counts_out, check, exchange, defer, -1);
+}
+
+ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
+                   Result counts_out, int64_t comm_key, bool check, int32_t root, int32_t exchange,
+                   int32_t defer) {
+  Call call(comm_key, check);
+  call.param("root", root);
+  return gather_rows(call, x, count, given_counts, out, counts_out, check, exchange, defer, root);
 }
 
 ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut, Result out,
-                    Result count_out, int64_t comm_key, bool check, int32_t root,
-                    int32_t exchange) {
+                    Result count_out, int64_t comm_key, bool check, int32_t root, int32_t counting,
+                    int32_t defer) {
   Call call(comm_key, check);
+  const bool exchange = counting == kExchanged;
   call.param("root", root);
-  Rows rows(call, x, out);
+  Rows rows(call, x, out, batch_of(counts, 1), exchange, "count");
   if (auto err = rows.take_error(); err.failure()) return err;
   MPI_Comm comm = rows.comm();
   const int size = comm_size(comm);
   const bool is_root = comm_rank(comm) == root;
-  const std::span<const int> asked = is_root ? counts_of(counts, size) : std::span<const int>();
-  const bool bad = is_root && !valid(asked, rows.rows());
-  std::vector<int> sending(size, 0);
-  if (is_root && !bad) std::ranges::copy(asked, sending.begin());
-  int receiving = 0;
-  if (exchange || check)
-    JAXCOMM_CHECK_MPI(MPI_Scatter(sending.data(), 1, MPI_INT, &receiving, 1, MPI_INT, root, comm),
-                      call.operation(), comm);
-  if (!exchange) {
-    const int given = counts_of(given_count, 1)[0];
-    if (check)
-      if (auto err = rows.agree(given != receiving, "count", counts_text({&given, 1}),
-                                counts_text({&receiving, 1}));
-          err.failure())
-        return err;
-    receiving = given;
+  const int64_t members = rows.members();
+  // Only the root's counts are read; elsewhere they are none.
+  std::vector<Counts> own;
+  if (is_root) {
+    own.emplace_back(counts, "counts", members, size);
+    own.back().within(rows.rows());
+  } else {
+    own.emplace_back(std::vector<int>(static_cast<size_t>(members * size), 0), members, size);
   }
-  if (auto err = rows.fit(sum(sending), receiving); err.failure()) return err;
-  char* into = rows.destination(receiving);
-  const int code = rows.in_units([&]<typename Counts>(Counts) {
-    const Counts send = rows.counted<Counts>(sending);
-    return Functions<Counts>::scatterv(
-        x.untyped_data(), send.counts.data(), send.starts.data(), rows.type(), into,
-        rows.unit<typename Counts::Count>(receiving), rows.type(), root, comm);
+  const Counts sent = sent_counts(own[0], counting);
+  std::vector<int> exchanged(static_cast<size_t>(members), 0);
+  if (exchange || check) {
+    std::vector<int> storage;
+    const auto out_counts = transposed(sent.values(), members, size, storage);
+    const int n = static_cast<int>(members);
+    JAXCOMM_CHECK_MPI(
+        MPI_Scatter(out_counts.data(), n, MPI_INT, exchanged.data(), n, MPI_INT, root, comm),
+        call.operation(), comm);
+  }
+  std::vector<Counts> received_list;
+  if (auto err = received_counts(rows, counting, check, given_count, "count", std::move(exchanged),
+                                 1, received_list);
+      err.failure())
+    return err;
+  const Counts& received = received_list[0];
+  if (auto err = rows.fit(sent.total(), received.total()); err.failure()) return err;
+  const Sending from = is_root ? sending(rows, x, own[0], counting)
+                               : Sending{static_cast<const char*>(x.untyped_data()), {}};
+  std::vector<char> scratch;
+  char* into = rows.destination(received, scratch);
+  Blocks out_blocks(sent);
+  const int code = rows.in_units([&]<typename C>(C) {
+    const C send =
+        members > 1 ? rows.counted<C>(out_blocks.per_peer()) : rows.counted<C>(sent.member(0));
+    return Functions<C>::scatterv(from.data, send.counts.data(), send.starts.data(), rows.type(),
+                                  into, rows.unit<typename C::Count>(received.total()), rows.type(),
+                                  root, comm);
   });
-  JAXCOMM_CHECK_MPI(code, call.operation(), comm);
-  return rows.finish(count_out, {&receiving, 1}, receiving, bad, "counts", asked);
+  JAXCOMM_CHECK_MPI(code, call.operation(), rows.comm());
+  rows.settle(into, received, count_out);
+  auto error = rows.outcome(own[0], pads(own[0], counting), received);
+  return defer ? ffi::Error::Success() : std::move(error);
 }
 
 }  // namespace jaxcomm::mpi

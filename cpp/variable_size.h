@@ -1,6 +1,10 @@
 // The variable-size exchanges (variable_size.cc) move rows of x (its leading
 // axis); out takes the rows received, in rank order, then zeros. The counts
-// received are given (int32 buffers), or with `exchange` learnt from the senders.
+// (integer buffers of any integer dtype, counts.h) received are given, or with
+// `exchange` learnt from the senders. Under vmap x, the counts and the results
+// have a leading batch axis. With `defer` a call reports no error of its own: the
+// JVP rules set it on a primal exchange whose tangent exchange, which every rank
+// still makes, reports the same error.
 #ifndef JAXCOMM_VARIABLE_SIZE_H_
 #define JAXCOMM_VARIABLE_SIZE_H_
 
@@ -25,18 +29,20 @@ auto variable_size(Binding&& base) {
 
 namespace mpi {
 
-// alltoallv: send_counts[i] (int32[size]) rows to rank i; recv_counts int32[size].
+// alltoallv: send_counts[i] ([size]) rows to rank i; recv_counts int32[size].
 ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut, Result out,
-                     Result recv_counts, int64_t comm, bool check, int32_t exchange);
-// allgatherv: `count` (int32[]) rows from every rank to every rank; counts int32[size].
+                     Result recv_counts, int64_t comm, bool check, int32_t exchange, int32_t defer);
+// allgatherv: `count` ([]) rows from every rank to every rank; counts int32[size].
 ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
-                      Result counts, int64_t comm, bool check, int32_t exchange);
+                      Result counts, int64_t comm, bool check, int32_t exchange, int32_t defer);
 // gatherv: `count` rows from every rank to root; counts int32[size] (on root).
 ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
-                   Result counts, int64_t comm, bool check, int32_t root, int32_t exchange);
-// scatterv: root's counts[i] (int32[size]) rows to rank i; count int32[].
+                   Result counts, int64_t comm, bool check, int32_t root, int32_t exchange,
+                   int32_t defer);
+// scatterv: root's counts[i] ([size]) rows to rank i; count int32[].
 ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut, Result out,
-                    Result count, int64_t comm, bool check, int32_t root, int32_t exchange);
+                    Result count, int64_t comm, bool check, int32_t root, int32_t exchange,
+                    int32_t defer);
 // The non-blocking alltoallv (host memory only): a start as nonblocking.h's, whose
 // recv_counts are known, and returned, at the post.
 ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
@@ -47,13 +53,15 @@ ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, 
 }  // namespace jaxcomm
 
 // X(name, function, binding, attributes) for each, as operations.h describes.
-#define JAXCOMM_VARIABLE_SIZE(X, base, A)                                                          \
-  X(alltoallv, Alltoallv, (variable_size<mpi::Buffer, mpi::Buffer>(base)), A(int32_t, exchange))   \
-  X(allgatherv, Allgatherv, (variable_size<mpi::Buffer, mpi::Buffer>(base)), A(int32_t, exchange)) \
-  X(gatherv, Gatherv, (variable_size<mpi::Buffer, mpi::Buffer>(base)),                             \
-    A(int32_t, root) A(int32_t, exchange))                                                         \
-  X(scatterv, Scatterv, (variable_size<mpi::Buffer, mpi::Buffer>(base)),                           \
-    A(int32_t, root) A(int32_t, exchange))
+#define JAXCOMM_VARIABLE_SIZE(X, base, A)                                    \
+  X(alltoallv, Alltoallv, (variable_size<mpi::Buffer, mpi::Buffer>(base)),   \
+    A(int32_t, exchange) A(int32_t, defer))                                  \
+  X(allgatherv, Allgatherv, (variable_size<mpi::Buffer, mpi::Buffer>(base)), \
+    A(int32_t, exchange) A(int32_t, defer))                                  \
+  X(gatherv, Gatherv, (variable_size<mpi::Buffer, mpi::Buffer>(base)),       \
+    A(int32_t, root) A(int32_t, exchange) A(int32_t, defer))                 \
+  X(scatterv, Scatterv, (variable_size<mpi::Buffer, mpi::Buffer>(base)),     \
+    A(int32_t, root) A(int32_t, exchange) A(int32_t, defer))
 
 // The starts, as nonblocking.h's: the result's buffer, the request, x passed
 // through, and the counts received.

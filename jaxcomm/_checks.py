@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from jaxcomm._datatypes import DTYPES, VALID_DTYPES, ReduceOp, as_reduce_op
 from jaxcomm._fusion import PerLeaf
-from jaxcomm._jax_internals import ArrayImpl
+from jaxcomm._jax_internals import ArrayImpl, at_top_level
 from jaxcomm._placement import platforms
 
 #: check(operation, name, value, size) -> the value to use, or an exception that
@@ -85,18 +85,49 @@ def capacity(operation: str, name: str, value: Any, size: int) -> int:
     return rows
 
 
+def _integers(value: Any) -> np.ndarray:
+    """value as a NumPy array; Python ints as int64, or uint64 where they need it
+    (NumPy would make [1, 2**64 - 1] floats)."""
+    if isinstance(value, int | list | tuple) and not isinstance(value, bool):
+        for dtype in (np.int64, np.uint64):
+            try:
+                return np.array(value, dtype)
+            except (OverflowError, TypeError, ValueError):
+                continue
+    return np.asarray(value)
+
+
 def counts(operation: str, name: str, value: Any, size: int | None) -> Any:
-    """Integer counts as int32: one per rank (shape (size,)), or with size None
-    one scalar. A jax.Array (it may be traced) stays one; anything else becomes a
-    NumPy array, which an eager call reads in place."""
-    counts = value if isinstance(value, jax.Array) else np.asarray(value)
+    """Integer counts of any integer dtype: one per rank (shape (size,)), or with
+    size None one scalar. A jax.Array (it may be traced) stays one; anything else
+    becomes a C-contiguous NumPy array, which an eager call reads where it is.
+    Their values are validated where they are read, on every path
+    (cpp/counts.h), so that a rank that refuses them still takes part."""
+    counts = value if isinstance(value, jax.Array) else _integers(value)
+    if isinstance(counts, np.ndarray) and not counts.flags.c_contiguous:  # a view: copied
+        counts = counts.copy(order="C")
     shape = () if size is None else (size,)
-    if not jnp.issubdtype(counts.dtype, jnp.integer) or counts.shape != shape:
+    if (
+        counts.dtype == np.bool_
+        or not jnp.issubdtype(counts.dtype, jnp.integer)
+        or (counts.shape != shape)
+    ):
         what = "an integer scalar" if size is None else f"integers of shape ({size},), one per rank"
         raise TypeError(
             f"{operation}: {name} must be {what}, got {counts.dtype}{list(counts.shape)}"
         )
-    return counts if counts.dtype == np.int32 else counts.astype(np.int32)
+    if isinstance(counts, np.ndarray) and not at_top_level():
+        # A trace holds them in JAX's dtype (int32 without jax_enable_x64), which
+        # would wrap values that do not fit.
+        held = jax.dtypes.canonicalize_dtype(counts.dtype)
+        if held != counts.dtype:
+            if not np.array_equal(counts.astype(held), counts):
+                raise ValueError(
+                    f"{operation}: {name}={counts.tolist()} does not fit {held.name}, the "
+                    "dtype a trace holds it in without jax_enable_x64"
+                )
+            counts = counts.astype(held)
+    return counts
 
 
 ROOT = rank()

@@ -165,7 +165,7 @@ OPERATIONS: dict[str, Nonblocking] = {
         _declare(_collectives.neighbor_alltoall_p, COLLECTIVE, batch_in=1, batch_out=1),
         _declare(_p2p.send_p, SEND),
         _declare(_p2p.recv_p, RECEIVE),
-        _declare(_variable_size.alltoallv_p, VARIABLE, batch_in=1, batch_out=1),
+        _declare(_variable_size.alltoallv_p, VARIABLE),
     ]
 }
 
@@ -305,7 +305,12 @@ def _start_jvp(operation):
         if not differentiable(x):
             return outs, zeros
         if op.kind.counts:  # the tangent's rows travel as x's, to counts now known
-            dots = op.start.bind(instantiate(t), counts[0], outs[-1], **{**params, "exchange": 0})
+            dots = op.start.bind(
+                instantiate(t),
+                counts[0],
+                outs[-1],
+                **{**params, "exchange": _variable_size.MIRRORED},
+            )
             return outs, [*dots[:-1], zeros[-1]]
         if operation == "irecv":
             _p2p.known_source("irecv", params["source"])
@@ -412,7 +417,7 @@ ADJOINTS: dict[str, Adjoint] = {
     "isend": Adjoint("irecv", params=_from_dest),
     "irecv": Adjoint("isend", params=_reply),
     # Back to the senders, with the counts swapped, into x's rows.
-    "ialltoallv": Adjoint("ialltoallv", params=lambda **_: {"exchange": 0}),
+    "ialltoallv": Adjoint("ialltoallv", params=lambda **_: {"exchange": _variable_size.REVERSED}),
 }
 
 
@@ -453,7 +458,7 @@ def _wait_transpose(cts, *operands, operation, comm, params):
         source = ct
         if source is None:  # isend: the cotangent comes back into a buffer like x
             source = jnp.zeros(operands[1].aval.shape, operands[1].aval.dtype)
-        rows = _variable_size.rows_of(keep) if kind.counts else 0
+        rows = _variable_size.rows_of(keep, counts[0], 1) if kind.counts else 0
         a_params = {**_adjoint_params(adjoint, kind, params, rows), "posted": 0}
         if operation == "irecv":  # see _p2p.refuse_derivative_of_reply
             a_params["cotangent"] = True
@@ -492,8 +497,10 @@ def _start_transpose(operation):
             return [instantiate(keep_ct if op.kind.input else pending_ct), *no_counts]
         target = adjoint.operation
         a_kind = OPERATIONS[target].kind
-        a_params = _adjoint_params(adjoint, op.kind, params, _variable_size.rows_of(x))
-        swapped = _swapped(counts, comm, learn=op.kind.counts and params["exchange"])
+        rows = _variable_size.rows_of(x, counts[0], 1) if op.kind.counts else 0
+        a_params = _adjoint_params(adjoint, op.kind, params, rows)
+        learn = op.kind.counts and params["exchange"] == _variable_size.EXCHANGED
+        swapped = _swapped(counts, comm, learn=learn)
         # As the wait's transpose passed them: the adjoint's pending came as keep's
         # cotangent, its kept data as pending's.
         outs = bind_wait(target, comm, a_params, request_ct, pending_ct, keep_ct, swapped)
@@ -512,12 +519,12 @@ def _start_batch(operation):
 
     def rule(args, dims, *, comm, **params):
         _p2p.refuse_derivative_of_reply(operation, params, "batching")
-        (x, *counts), (dim, *count_dims) = args, dims
-        if any(d is not None for d in count_dims):
-            raise ValueError(
-                f"{operation}: counts that differ across a vmap batch; give the whole "
-                "batch the same counts, or use the blocking form"
-            )
+        if op.kind.counts:  # as the blocking exchange: one call, the batch first
+            operands, restore = _variable_size.batch_first(args, dims, (1, 1))
+            outs = op.start.bind(*operands, comm=comm, **params)
+            result, request, keep, received = outs
+            return [restore(result), request, restore(keep), restore(received)], [0, None, 0, 0]
+        (x, *counts), (dim, *_count_dims) = args, dims
         outs = op.start.bind(move_batch(x, dim, op.batch_in), *counts, comm=comm, **params)
         out_dims = [op.batch_out] if op.kind.result else []
         in_dims = [op.batch_in] if op.kind.input else []
@@ -529,8 +536,17 @@ def _start_batch(operation):
 def _wait_batch(args, dims, *, operation, comm, params):
     kind = OPERATIONS[operation].kind
     request, _, pending, counts = _split_wait_operands(kind, dims)
-    if request is not None or any(d is not None for d in counts):
+    if request is not None:
         raise ValueError(f"wait: the request of {operation} cannot be batched")
+    if kind.counts:  # the counts too carry the batch first, as the start's outputs
+        size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+        args = [
+            *args[:-2],
+            *(
+                _variable_size.batch_first_or_broadcast(a, d, size)
+                for a, d in zip(args[-2:], counts, strict=True)
+            ),
+        ]
     outs = wait_p.bind(*args, operation=operation, comm=comm, params=params)
     return outs, ([pending] if kind.result else []) + ([None] if kind.status else [])
 

@@ -4,7 +4,7 @@ Rows of x (its leading axis) travel, as many as int32 count operands say; the
 counts may be traced and change from call to call, and only the result's
 capacity (its rows) is static. Each primitive returns the counts received beside
 the rows. With `exchange` the call first learns them from the senders (one small
-collective); the AD rules pass the counts already known (exchange=False), so a
+collective); the AD rules pass the counts already known (exchange=MIRRORED), so a
 tangent or cotangent costs one exchange of rows only.
 
 All four are linear in x and the counts carry no tangent. Adjoints: alltoallv's
@@ -16,6 +16,9 @@ rows of it.
 
 from __future__ import annotations
 
+from functools import partial
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import core
@@ -24,36 +27,60 @@ from jax.interpreters import ad
 from jaxcomm._collectives import allgather, alltoall, gather, scatter
 from jaxcomm._primitive import CommInfo, comm_primitive
 from jaxcomm._replicated import pvary, replicated_cotangent
-from jaxcomm._rules import define_rules, differentiable, instantiate, move_batch, zero_tangent
+from jaxcomm._rules import define_rules, differentiable, instantiate, zero_tangent
 
 
-def _rows(x, capacity: int):
-    return core.ShapedArray((capacity, *x.shape[1:]), x.dtype)
+def batch_of(counts, unbatched: int) -> tuple[int, ...]:
+    """The batch axis (vmap's, all of its members in one call) that a count
+    operand of `unbatched` dimensions carries ahead of them: () or (members,)."""
+    shape = (counts.aval if ad.is_undefined_primal(counts) else counts).shape
+    return tuple(shape[: len(shape) - unbatched])
 
 
-def _per_rank(comm: CommInfo):
-    return core.ShapedArray((comm.size,), np.int32)
+def rows_of(x, counts, unbatched: int) -> int:
+    """How many rows x (a primal or an undefined one, in a transpose) has, past the
+    batch axis that its count operand `counts` carries."""
+    shape = (x.aval if ad.is_undefined_primal(x) else x).shape
+    return shape[len(batch_of(counts, unbatched))]
+
+
+def _rows(x, capacity: int, batch: tuple[int, ...]):
+    return core.ShapedArray((*batch, capacity, *x.shape[len(batch) + 1 :]), x.dtype)
+
+
+def _per_rank(comm: CommInfo, batch: tuple[int, ...]):
+    return core.ShapedArray((*batch, comm.size), np.int32)
 
 
 def _alltoallv_shape(x, send_counts, recv_counts, *, comm, capacity, **_):
-    return [_rows(x, capacity), _per_rank(comm)]
+    batch = batch_of(send_counts, 1)
+    return [_rows(x, capacity, batch), _per_rank(comm, batch)]
 
 
 def _allgatherv_shape(x, count, counts, *, comm, capacity, **_):
-    return [_rows(x, capacity), _per_rank(comm)]
+    batch = batch_of(count, 0)
+    return [_rows(x, capacity, batch), _per_rank(comm, batch)]
 
 
 def _gatherv_shape(x, count, counts, *, comm, root, capacity, **_):
     # Only the root receives rows.
-    return [_rows(x, capacity if comm.rank == root else 0), _per_rank(comm)]
+    batch = batch_of(count, 0)
+    return [_rows(x, capacity if comm.rank == root else 0, batch), _per_rank(comm, batch)]
 
 
 def _scatterv_shape(x, counts, count, *, comm, root, capacity, **_):
-    return [_rows(x, capacity), core.ShapedArray((), np.int32)]
+    batch = batch_of(counts, 1)
+    return [_rows(x, capacity, batch), core.ShapedArray(batch, np.int32)]
 
+
+#: `exchange`: the counts received are the caller's (trusted), learnt from the
+#: senders first, or the AD rules', from an exchange made before: the same
+#: exchange again (a tangent's) or back (an adjoint's). See cpp/variable_size.cc.
+GIVEN, EXCHANGED, MIRRORED, REVERSED = 0, 1, 2, 3
 
 # Operands: x, the counts this rank sends, then the counts it receives (used
-# when not `exchange`). Results: the rows received, then their counts.
+# when not `exchange`). Results: the rows received, then their counts. Under
+# vmap, each has a leading batch axis (batch_of): one call for the whole batch.
 alltoallv_p = comm_primitive("alltoallv", _alltoallv_shape)
 allgatherv_p = comm_primitive("allgatherv", _allgatherv_shape)
 gatherv_p = comm_primitive("gatherv", _gatherv_shape)
@@ -67,44 +94,58 @@ def _rank_rows(counts, rank: int, rows: int):
     return start + jnp.arange(rows), jnp.arange(rows) < counts[rank]
 
 
-def _masked_rows(ct, index, keep, like):
-    """Rows `index` of ct where `keep`, else zeros: an array like `like`."""
+def _own_rows(ct, counts, *, rank: int, like):
+    """Rank `rank`'s rows of ct (its rows from every rank, `counts` of each), where
+    it has them, else zeros: an array like `like` (x)."""
+    index, keep = _rank_rows(counts, rank, like.shape[0])
+    if ct.shape[0] == 0:  # no rows arrived (capacity 0): none are x's
+        return jnp.zeros(like.shape, like.dtype)
     taken = jnp.take(ct, index, axis=0, mode="fill", fill_value=0)
     return jnp.where(keep.reshape(-1, *[1] * (len(like.shape) - 1)), taken, 0).astype(like.dtype)
 
 
-def rows_of(x) -> int:
-    """How many rows x (a primal or an undefined one, in a transpose) has."""
-    return (x.aval if ad.is_undefined_primal(x) else x).shape[0]
+def _to_ranks(counts):
+    """Counts with their rank axis (last) first, as the collectives move rows."""
+    return jnp.moveaxis(counts, -1, 0)
 
 
 def received_counts(sent, comm: CommInfo):
     """The counts of an alltoallv's rows each rank received, learnt from what every
     rank sent (one alltoall): for an adjoint transposed as written."""
-    return alltoall(sent.reshape(comm.size, 1), comm=comm)[:, 0]
+    return jnp.moveaxis(alltoall(_to_ranks(sent), comm=comm), 0, -1)
 
 
-def _alltoallv_transpose(cts, x, send, recv, *, comm, capacity, exchange):
-    if exchange:  # transposed as written (jax.linear_transpose): learn what arrived
+def _alltoallv_transpose(cts, x, send, recv, *, comm, capacity, exchange, defer):
+    if exchange == EXCHANGED:  # transposed as written (jax.linear_transpose): learn what arrived
         recv = received_counts(send, comm)
     back, _ = alltoallv_p.bind(
-        instantiate(cts[0]), recv, send, comm=comm, capacity=rows_of(x), exchange=False
+        instantiate(cts[0]),
+        recv,
+        send,
+        comm=comm,
+        capacity=rows_of(x, send, 1),
+        exchange=REVERSED,
+        defer=False,
     )
     return [back, None, None]
 
 
-def _allgatherv_transpose(cts, x, count, counts, *, comm, capacity, exchange):
-    if exchange:
-        counts = allgather(count, comm=comm)
+def _allgatherv_transpose(cts, x, count, counts, *, comm, capacity, exchange, defer):
+    if exchange == EXCHANGED:
+        counts = jnp.moveaxis(allgather(count, comm=comm), 0, -1)
     ct = replicated_cotangent(instantiate(cts[0]), comm=comm, operation="allgatherv")
     ct = pvary(ct, comm=comm)
-    index, keep = _rank_rows(counts, comm.rank, rows_of(x))
-    return [_masked_rows(ct, index, keep, x.aval), None, None]
+    batch = batch_of(count, 0)
+    like = core.ShapedArray(x.aval.shape[len(batch) :], x.aval.dtype)
+    own = partial(_own_rows, rank=comm.rank, like=like)
+    for _ in batch:  # each batch member takes its own rows
+        own = jax.vmap(own)
+    return [own(ct, counts), None, None]
 
 
-def _gatherv_transpose(cts, x, count, counts, *, comm, root, capacity, exchange):
-    if exchange:  # every rank takes part; the root learns the counts
-        gathered = gather(count, comm=comm, root=root)
+def _gatherv_transpose(cts, x, count, counts, *, comm, root, capacity, exchange, defer):
+    if exchange == EXCHANGED:  # every rank takes part; the root learns the counts
+        gathered = jnp.moveaxis(gather(count, comm=comm, root=root), 0, -1)
         counts = gathered if comm.rank == root else counts
     back, _ = scatterv_p.bind(
         instantiate(cts[0]),
@@ -112,16 +153,18 @@ def _gatherv_transpose(cts, x, count, counts, *, comm, root, capacity, exchange)
         count,
         comm=comm,
         root=root,
-        capacity=rows_of(x),
-        exchange=False,
+        capacity=rows_of(x, count, 0),
+        exchange=REVERSED,
+        defer=False,
     )
     return [back, None, None]
 
 
-def _scatterv_transpose(cts, x, counts, count, *, comm, root, capacity, exchange):
-    if exchange:  # the root's counts; the other ranks pass a template
-        count = scatter(counts if comm.rank == root else counts[0], comm=comm, root=root)
-    rows = rows_of(x)
+def _scatterv_transpose(cts, x, counts, count, *, comm, root, capacity, exchange, defer):
+    if exchange == EXCHANGED:  # the root's counts; the other ranks pass a template
+        mine = _to_ranks(counts) if comm.rank == root else counts[..., 0]
+        count = scatter(mine, comm=comm, root=root)
+    rows = rows_of(x, counts, 1)
     back, _ = gatherv_p.bind(
         instantiate(cts[0]),
         count,
@@ -129,61 +172,82 @@ def _scatterv_transpose(cts, x, counts, count, *, comm, root, capacity, exchange
         comm=comm,
         root=root,
         capacity=rows if comm.rank == root else 0,
-        exchange=False,
+        exchange=REVERSED,
+        defer=False,
     )
     if comm.rank != root:  # x is not read off the root: no cotangent
-        back = jnp.zeros((rows, *back.shape[1:]), back.dtype)
+        back = jnp.zeros(x.aval.shape, back.dtype)
     return [back, None, None]
 
 
-def _rows_travel_as_x(primitive):
+def _rows_travel_as_x(primitive, defer: bool):
     """JVP of a variable-size exchange: the tangent's rows travel as x's did, with
-    the counts received (operand 2) now known, so not exchanged again."""
+    the counts received (operand 2) now known, so not exchanged again. With
+    `defer`, the primal exchange leaves its error (an invalid count, an overflow)
+    to the tangent's, which has the same counts and so the same error: a rank
+    that fails still takes part in both exchanges, so nobody waits for it."""
 
     def jvp(primals, tangents, **params):
-        y, got = primitive.bind(*primals, **params)
         if not differentiable(primals[0]):  # x's dtype is the same on every rank
+            y, got = primitive.bind(*primals, **params)
             return [y, got], [zero_tangent(y), zero_tangent(got)]
+        y, got = primitive.bind(*primals, **{**params, "defer": defer})
         sent = primals[1]
-        dy, _ = primitive.bind(instantiate(tangents[0]), sent, got, **{**params, "exchange": False})
+        dy, _ = primitive.bind(
+            instantiate(tangents[0]), sent, got, **{**params, "exchange": MIRRORED}
+        )
         return [y, got], [dy, zero_tangent(got)]
 
     return jvp
 
 
-def _one_call_per_batch(primitive):
-    """vmap: with the same counts for the whole batch, one call whose rows carry
-    the batch; with counts that differ across it, one call per member."""
+def batch_first(args, dims, unbatched: tuple[int, ...]):
+    """vmap of a variable-size exchange, as one call for the whole batch whatever
+    is batched: x (args[0]) and every count operand (of `unbatched` dimensions
+    each) with the batch axis first, broadcast where they do not vary across it,
+    so that every rank of a batched call makes the same MPI calls, whichever of its
+    operands vary. An operation batched already (a nested vmap) takes the new axis
+    into its batch. Returns the operands and `restore`, which gives a result of
+    the call back the nested batch's axes."""
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+    x, *counts = (batch_first_or_broadcast(a, d, size) for a, d in zip(args, dims, strict=True))
+    inner = counts[0].shape[1 : counts[0].ndim - unbatched[0]]  # a nested vmap's batch
+    if not inner:
+        return [x, *counts], lambda out: out
+    operands = [a.reshape(-1, *a.shape[2:]) for a in (x, *counts)]
+    return operands, lambda out: out.reshape(size, *inner, *out.shape[1:])
+
+
+def _one_call_per_batch(primitive, unbatched: tuple[int, int]):
+    """vmap: one call for the whole batch (batch_first)."""
 
     def rule(args, dims, **params):
-        (x, *counts), (dx, *count_dims) = args, dims
-        if all(d is None for d in count_dims):
-            return primitive.bind(move_batch(x, dx, 1), *counts, **params), [1, None]
-        size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-        outs = [
-            primitive.bind(
-                *(
-                    a if d is None else jnp.take(a, b, axis=d)
-                    for a, d in zip(args, dims, strict=True)
-                ),
-                **params,
-            )
-            for b in range(size)
-        ]
-        return [jnp.stack([out[i] for out in outs]) for i in range(2)], [0, 0]
+        operands, restore = batch_first(args, dims, unbatched)
+        return [restore(out) for out in primitive.bind(*operands, **params)], [0, 0]
 
     return rule
 
 
-for _primitive, _transpose in [
-    (alltoallv_p, _alltoallv_transpose),
-    (allgatherv_p, _allgatherv_transpose),
-    (gatherv_p, _gatherv_transpose),
-    (scatterv_p, _scatterv_transpose),
+def batch_first_or_broadcast(a, dim, size: int):
+    """a with the vmap batch axis first: moved there, or, where a does not vary
+    across the batch (dim None), broadcast."""
+    if dim is not None:
+        return jnp.moveaxis(a, dim, 0)
+    return jnp.broadcast_to(a, (size, *a.shape))
+
+
+# Each with its transpose, the dimensions of its count operands unbatched, and
+# whether its primal exchange may defer its error to the tangent's. allgatherv's
+# may not: its transpose is no exchange, so under grad the error would be lost.
+for _primitive, _transpose, _unbatched, _defer in [
+    (alltoallv_p, _alltoallv_transpose, (1, 1), True),
+    (allgatherv_p, _allgatherv_transpose, (0, 1), False),
+    (gatherv_p, _gatherv_transpose, (0, 1), True),
+    (scatterv_p, _scatterv_transpose, (1, 0), True),
 ]:
     define_rules(
         _primitive,
-        jvp=_rows_travel_as_x(_primitive),
+        jvp=_rows_travel_as_x(_primitive, _defer),
         transpose=_transpose,
-        batch=_one_call_per_batch(_primitive),
+        batch=_one_call_per_batch(_primitive, _unbatched),
     )

@@ -310,6 +310,7 @@ class JaxComm:
         """A variable-size exchange of x's rows (jaxcomm._variable_size), its count
         operands by name in order: all checked, then run."""
         operands = self._rows_operands(primitive.operation, x, counts, params)
+        params["defer"] = False  # only the JVP rules defer an error (_variable_size)
         y, received = _dispatch.apply_to_arrays(primitive, operands, self._comm, params)
         return y, received
 
@@ -319,6 +320,8 @@ class JaxComm:
         """x and the count operands of a variable-size exchange, checked, and its
         `params` checked in place."""
         comm = self._comm
+        if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, list)):
+            raise TypeError(f"{operation}: x must be one array of rows, not a {type(x).__name__}")
         (x,) = _checks.arrays(operation, [x])
         if x.ndim == 0:
             raise ValueError(f"{operation}: x must have a leading axis of rows, got shape ()")

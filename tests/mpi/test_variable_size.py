@@ -168,7 +168,7 @@ def test_more_send_counts_than_rows_is_an_error_on_that_rank(comm, form):
     rows = comm.size - 1 if comm.rank == comm.size - 1 else comm.size
     x = jnp.asarray(rank_data(comm.rank, (rows, 2)))
     if comm.rank == comm.size - 1:
-        with pytest.raises(Exception, match=r"send_counts=\[.*\] must be non-negative and add up"):
+        with pytest.raises(Exception, match=r"send_counts=\[.*\] add up to more than x.s \d+ rows"):
             jax.block_until_ready(alltoallv(x, counts, capacity=comm.size))
     else:
         _, got = alltoallv(x, counts, capacity=comm.size)
@@ -266,9 +266,15 @@ def test_ialltoallv_jvp_and_vmap(comm):
     assert_values(dy, blocking(t))
     batch = jnp.stack([x, 2 * x, t])
     assert_values(jax.jit(jax.vmap(posted))(batch), jax.vmap(blocking)(batch))
+    # Counts that differ across the batch: still one exchange, each member's own.
     others = np.array([counts, [1] * comm.size, [0] * comm.size], np.int32)
-    with pytest.raises(ValueError, match="ialltoallv: counts that differ across a vmap batch"):
-        jax.vmap(lambda x, c: comm.wait(comm.ialltoallv(x, c, capacity=capacity)))(batch, others)
+    posted_with = lambda x, c: comm.wait(comm.ialltoallv(x, c, capacity=capacity))  # noqa: E731
+    blocking_with = lambda x, c: comm.alltoallv(x, c, capacity=capacity)  # noqa: E731
+    got = jax.jit(jax.vmap(posted_with))(batch, others)
+    for member in range(3):
+        want = blocking_with(batch[member], others[member])
+        assert_values(got[0][member], want[0])
+        assert_values(got[1][member], want[1])
 
 
 def test_ialltoallv_overlaps_computation_in_a_loop(comm):
@@ -414,11 +420,11 @@ def test_allgatherv_overflow_and_bad_count(comm):
         jax.block_until_ready(comm.allgatherv(x, capacity=2 * comm.size - 1))
     bad = 3 if comm.rank == 0 else 1
     if comm.rank == 0:
-        with pytest.raises(Exception, match=r"count=\[3\] must be non-negative and add up"):
+        with pytest.raises(Exception, match=r"count=\[3\] add up to more than x.s \d+ rows"):
             jax.block_until_ready(comm.allgatherv(x, capacity=2 * comm.size, count=bad))
-    else:
-        _, counts = comm.allgatherv(x, capacity=2 * comm.size, count=bad)
-        assert int(counts[0]) == 0  # rank 0 sent nothing
+    else:  # the result lacks rank 0's rows on every rank
+        with pytest.raises(Exception, match=r"rank 0.s count was refused"):
+            jax.block_until_ready(comm.allgatherv(x, capacity=2 * comm.size, count=bad))
     comm.barrier()
 
 

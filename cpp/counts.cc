@@ -1,0 +1,166 @@
+#include "counts.h"
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+#include <type_traits>
+
+#include "call.h"
+#include "jaxcomm/jaxcomm.h"
+
+namespace jaxcomm::mpi {
+namespace {
+
+static_assert(std::is_same_v<int, int32_t>, "MPI's int counts are the int32 counts returned");
+
+// The `n` values at `data` as ints, if each is a count of rows (0 to 2^31 - 1).
+template <typename T>
+bool read_as_ints(const void* data, size_t n, std::vector<int>& out) {
+  const T* values = static_cast<const T*>(data);
+  out.resize(n);
+  bool valid = true;
+  for (size_t i = 0; i < n; ++i) {
+    const T v = values[i];
+    bool fits = static_cast<uint64_t>(v) <= static_cast<uint64_t>(kMaxCount);
+    if constexpr (std::is_signed_v<T>) fits = fits && v >= 0;
+    valid = valid && fits;
+    out[i] = fits ? static_cast<int>(v) : 0;
+  }
+  return valid;
+}
+
+// The values of an integer buffer as text, as passed (unsigned ones unsigned).
+template <typename T>
+std::string text_of(const void* data, size_t n) {
+  const T* values = static_cast<const T*>(data);
+  std::string text = "[";
+  for (size_t i = 0; i < n; ++i) {
+    text += i ? ", " : "";
+    if constexpr (sizeof(T) == 1)
+      text += std::to_string(static_cast<int>(values[i]));
+    else
+      text += std::to_string(values[i]);
+  }
+  return text + "]";
+}
+
+// Calls f.template operator()<T>() with T the C type of integer dtype `dtype`;
+// false if it is not an integer dtype.
+template <typename F>
+bool with_integer_type(ffi::DataType dtype, F&& f) {
+  switch (dtype) {
+    case ffi::DataType::S8:
+      f.template operator()<int8_t>();
+      return true;
+    case ffi::DataType::S16:
+      f.template operator()<int16_t>();
+      return true;
+    case ffi::DataType::S32:
+      f.template operator()<int32_t>();
+      return true;
+    case ffi::DataType::S64:
+      f.template operator()<int64_t>();
+      return true;
+    case ffi::DataType::U8:
+      f.template operator()<uint8_t>();
+      return true;
+    case ffi::DataType::U16:
+      f.template operator()<uint16_t>();
+      return true;
+    case ffi::DataType::U32:
+      f.template operator()<uint32_t>();
+      return true;
+    case ffi::DataType::U64:
+      f.template operator()<uint64_t>();
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+std::string counts_text(std::span<const int> counts) {
+  std::string text = "[";
+  for (size_t i = 0; i < counts.size(); ++i) text += (i ? ", " : "") + std::to_string(counts[i]);
+  return text + "]";
+}
+
+Counts::Counts(const Buffer& buffer, std::string_view name, int64_t members, int64_t per_member)
+    : buffer_(&buffer), name_(name), members_(members), per_member_(per_member) {
+  const size_t n = static_cast<size_t>(members * per_member);
+  if (buffer.element_count() != n) {
+    owned_.assign(n, 0);
+    values_ = owned_;
+    refuse("must hold " + std::to_string(n) + " counts, not " +
+           std::to_string(buffer.element_count()));
+    return;
+  }
+  if (buffer.element_type() == ffi::DataType::S32) {  // the usual case: read where XLA holds it
+    values_ = {static_cast<const int*>(buffer.untyped_data()), n};
+    if (std::all_of(values_.begin(), values_.end(), [](int c) { return c >= 0; })) return;
+  }
+  bool valid = false;
+  const bool integer = with_integer_type(buffer.element_type(), [&]<typename T>() {
+    valid = read_as_ints<T>(buffer.untyped_data(), n, owned_);
+  });
+  if (!integer || !valid) owned_.assign(n, 0);  // refused: none at all
+  values_ = owned_;
+  if (!integer)
+    refuse(std::string("must be integers, not ") + dtype_name(buffer.element_type()));
+  else if (!valid)
+    refuse("must be counts of rows, from 0 to 2^31 - 1");
+}
+
+Counts::Counts(std::vector<int> values, int64_t members, int64_t per_member)
+    : members_(members), per_member_(per_member), owned_(std::move(values)) {
+  values_ = owned_;
+}
+
+Counts Counts::view(std::span<const int> values, int64_t members, int64_t per_member) {
+  Counts counts(std::vector<int>(), members, per_member);
+  counts.values_ = values;
+  return counts;
+}
+
+void Counts::within(int64_t rows) {
+  if (!valid()) return;
+  for (int64_t b = 0; b < members_; ++b) {
+    const auto counts = member(b);
+    if (std::accumulate(counts.begin(), counts.end(), int64_t{0}) > rows) {
+      asked_owned_.assign(values_.begin(), values_.end());
+      asked_ = asked_owned_;
+      owned_.assign(values_.size(), 0);
+      std::string why = "add up to more than x's " + std::to_string(rows) + " rows";
+      if (members_ > 1) why += " (batch member " + std::to_string(b) + ")";
+      // The values passed are shown by refuse; they are zeros from here on.
+      refuse(why);
+      values_ = owned_;
+      return;
+    }
+  }
+}
+
+int64_t Counts::most() const {
+  int64_t most = 0;
+  for (int64_t b = 0; b < members_; ++b) {
+    const auto counts = member(b);
+    most = std::max(most, std::accumulate(counts.begin(), counts.end(), int64_t{0}));
+  }
+  return most;
+}
+
+int64_t Counts::total() const {
+  return std::accumulate(values_.begin(), values_.end(), int64_t{0});
+}
+
+void Counts::refuse(const std::string& why) {
+  std::string passed = "?";
+  if (buffer_ != nullptr)
+    with_integer_type(buffer_->element_type(), [&]<typename T>() {
+      passed = text_of<T>(buffer_->untyped_data(), buffer_->element_count());
+    });
+  error_ = std::string(name_) + "=" + passed + " " + why;
+}
+
+}  // namespace jaxcomm::mpi
