@@ -43,7 +43,16 @@ def no_edges(size):
     return []
 
 
-GRAPHS = {f.__name__: f for f in [ring_and_self, random_graph, last_isolated, into_zero, no_edges]}
+def repeated_edges(size):
+    """Two edges to the next rank and three to itself, interleaved: blocks pair by
+    order (the k-th sent to a rank arrives as the k-th received from this one)."""
+    return [(r, d) for r in range(size) for d in [(r + 1) % size, r, (r + 1) % size, r, r]]
+
+
+GRAPHS = {
+    f.__name__: f
+    for f in [ring_and_self, random_graph, last_isolated, into_zero, no_edges, repeated_edges]
+}
 
 
 def lists(edges, rank):
