@@ -219,6 +219,12 @@ Call& Call::reduce_op(int32_t op) {
   return *this;
 }
 
+Call& Call::per_block() {
+  per_block_ = true;
+  show_watchdog();
+  return *this;
+}
+
 Call& Call::peer(std::string_view name, int64_t value) {
   const Settings& s = settings();
   if (!(s.debug || s.timeout > 0)) return *this;
@@ -233,7 +239,12 @@ Call& Call::peer(std::string_view name, int64_t value) {
 std::string Call::description() const {
   std::string text(operation_);
   text += '(';
-  if (has_array_) text += describe_array(dtype_, dims_);
+  if (has_array_ && per_block_ && dims_.size() > 0) {  // "float32[*,3]"
+    std::string block = describe_array(dtype_, dims_.last(dims_.size() - 1));
+    text += block.insert(block.find('[') + 1, dims_.size() > 1 ? "*," : "*");
+  } else if (has_array_) {
+    text += describe_array(dtype_, dims_);
+  }
   // Without an array the params come first: "alltoallv(dtype=float32, row=1)".
   text += has_array_ || params_.empty() ? std::string_view(params_)
                                         : std::string_view(params_).substr(2);

@@ -78,6 +78,10 @@ class Call {
   Call& param(std::string_view name, int64_t value);
   Call& param(std::string_view name, std::string_view value);
   Call& reduce_op(int32_t op);
+  // The data's leading axis counts blocks, which ranks may have different
+  // numbers of (a graph's neighbour exchange): the fingerprint and the log
+  // describe it as "*". Returns *this.
+  Call& per_block();
   // A peer of a point-to-point call: for the log only.
   Call& peer(std::string_view name, int64_t value);
 
@@ -138,6 +142,7 @@ class Call {
   bool check_;
   std::string_view operation_;
   bool has_array_ = false;
+  bool per_block_ = false;
   ffi::DataType dtype_{};
   ffi::Span<const int64_t> dims_{};
   std::string params_;  // ", root=0, op=sum"; the log adds peers

@@ -8,6 +8,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -106,55 +107,84 @@ ffi::Error Barrier(Token, TokenOut, int64_t comm_key, bool check) {
 
 namespace jaxcomm::mpi {
 
-ffi::Error cartesian_neighbors(MPI_Comm comm, std::string_view operation, std::vector<int>* found) {
+ffi::Error neighborhood(MPI_Comm comm, std::string_view operation, Neighborhood* found) {
   int kind = MPI_UNDEFINED;
   MPI_Topo_test(comm, &kind);
+  found->grid.clear();
+  if (kind == MPI_DIST_GRAPH) {
+    int weighted = 0;
+    MPI_Dist_graph_neighbors_count(comm, &found->sources, &found->destinations, &weighted);
+    return ffi::Error::Success();
+  }
   if (kind != MPI_CART)
-    return invalid_argument(operation, "needs a Cartesian communicator (create_cart)");
+    return invalid_argument(
+        operation, "needs a Cartesian or graph communicator (create_cart, create_dist_graph)");
   int dims = 0;
   MPI_Cartdim_get(comm, &dims);
-  found->clear();
   for (int d = 0; d < dims; ++d) {
     int lower = MPI_PROC_NULL, upper = MPI_PROC_NULL;
     MPI_Cart_shift(comm, d, 1, &lower, &upper);
-    found->push_back(lower);
-    found->push_back(upper);
+    found->grid.push_back(lower);
+    found->grid.push_back(upper);
   }
+  found->sources = found->destinations = 2 * dims;
   return ffi::Error::Success();
 }
 
-void zero_missing(char* blocks, const std::vector<int>& from, int64_t block_bytes) {
+ffi::Error check_blocks(std::string_view operation, const Neighborhood& hood,
+                        const ffi::AnyBuffer& out, const Buffer* x) {
+  auto leading = [](const ffi::AnyBuffer& b) {
+    return b.dimensions().size() ? b.dimensions()[0] : int64_t{-1};
+  };
+  if (leading(out) == hood.sources && (x == nullptr || leading(*x) == hood.destinations))
+    return ffi::Error::Success();
+  return invalid_argument(operation, "blocks for " + std::to_string(hood.sources) +
+                                         " sources and " + std::to_string(hood.destinations) +
+                                         " destinations do not match the communicator's");
+}
+
+int64_t block_elements(const ffi::AnyBuffer& blocks) {
+  int64_t elements = 1;
+  for (size_t d = 1; d < blocks.dimensions().size(); ++d) elements *= blocks.dimensions()[d];
+  return elements;
+}
+
+void zero_missing(char* blocks, const Neighborhood& hood, int64_t block_bytes) {
   static const char nothing = 0;
-  for (size_t k = 0; k < from.size(); ++k)
-    if (from[k] == MPI_PROC_NULL) memory().fill(blocks + k * block_bytes, &nothing, 1, block_bytes);
+  for (size_t k = 0; k < hood.grid.size(); ++k)
+    if (hood.grid[k] == MPI_PROC_NULL)
+      memory().fill(blocks + k * block_bytes, &nothing, 1, block_bytes);
 }
 
 ffi::Error NeighborAllgather(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check) {
   Call call(comm_key, check, x);
   auto [error, comm, type] = start(call, x);
   if (error.failure()) return error;
-  std::vector<int> from;
-  if (auto err = cartesian_neighbors(comm, call.operation(), &from); err.failure()) return err;
+  Neighborhood hood;
+  if (auto err = neighborhood(comm, call.operation(), &hood); err.failure()) return err;
+  if (auto err = check_blocks(call.operation(), hood, *out, nullptr); err.failure()) return err;
   Block block(x.element_count(), type);
   JAXCOMM_CHECK_MPI(MPI_Neighbor_allgather(x.untyped_data(), block.count(), block.type(),
                                            out->untyped_data(), block.count(), block.type(), comm),
                     call.operation(), comm);
-  zero_missing(bytes(out), from, static_cast<int64_t>(x.size_bytes()));
+  zero_missing(bytes(out), hood, static_cast<int64_t>(x.size_bytes()));
   return ffi::Error::Success();
 }
 
+// Ranks of a graph send different numbers of blocks: checking mode compares one.
 ffi::Error NeighborAlltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_key, bool check) {
   Call call(comm_key, check, x);
-  auto [error, comm, type] = start(call, x);
+  auto [error, comm, type] = start(call.per_block(), x);
   if (error.failure()) return error;
-  std::vector<int> from;
-  if (auto err = cartesian_neighbors(comm, call.operation(), &from); err.failure()) return err;
-  const int64_t blocks = static_cast<int64_t>(from.size());
-  Block block(blocks ? x.element_count() / blocks : 0, type);
+  Neighborhood hood;
+  if (auto err = neighborhood(comm, call.operation(), &hood); err.failure()) return err;
+  if (auto err = check_blocks(call.operation(), hood, *out, &x); err.failure()) return err;
+  const int64_t elements = block_elements(x);
+  Block block(elements, type);
   JAXCOMM_CHECK_MPI(MPI_Neighbor_alltoall(x.untyped_data(), block.count(), block.type(),
                                           out->untyped_data(), block.count(), block.type(), comm),
                     call.operation(), comm);
-  zero_missing(bytes(out), from, blocks ? static_cast<int64_t>(x.size_bytes()) / blocks : 0);
+  zero_missing(bytes(out), hood, elements * static_cast<int64_t>(ffi::ByteWidth(x.element_type())));
   return ffi::Error::Success();
 }
 

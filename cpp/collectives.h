@@ -18,20 +18,35 @@ ffi::Error Gather(Token, Buffer x, TokenOut, Result out, int64_t comm, bool chec
 ffi::Error Allgather(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
 ffi::Error Scatter(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check, int32_t root);
 ffi::Error Alltoall(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
-// On a Cartesian communicator, with its neighbours in MPI's order (along each
-// dimension the lower, then the upper one): neighbor_allgather gives every
-// neighbour's x, (2 * dims, *x.shape); neighbor_alltoall sends block k of x
-// (2 * dims, *s) to neighbour k. Blocks from beyond a non-periodic edge are zeros.
+// On a Cartesian or distributed-graph communicator, whose neighbours MPI knows
+// (neighborhood): neighbor_allgather gives every source's x, (sources, *x.shape);
+// neighbor_alltoall sends block j of x (destinations, *s) to destination j and
+// gives (sources, *s), block i from source i. On a grid, blocks from beyond a
+// non-periodic edge are zeros.
 ffi::Error NeighborAllgather(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
 ffi::Error NeighborAlltoall(Token, Buffer x, TokenOut, Result out, int64_t comm, bool check);
 ffi::Error Barrier(Token, TokenOut, int64_t comm, bool check);
 
-// The neighbours of a Cartesian communicator in MPI's order (along each
-// dimension, the lower then the upper one; MPI_PROC_NULL beyond an edge) into
-// `found`, or an error naming `operation` if comm is not Cartesian.
-ffi::Error cartesian_neighbors(MPI_Comm comm, std::string_view operation, std::vector<int>* found);
+// A neighbourhood communicator's neighbours: how many blocks arrive (sources)
+// and leave (destinations). On a Cartesian grid both are its neighbours in MPI's
+// order (along each dimension the lower, then the upper one; MPI_PROC_NULL
+// beyond an edge), in `grid`; a distributed graph leaves `grid` empty.
+struct Neighborhood {
+  int sources = 0;
+  int destinations = 0;
+  std::vector<int> grid;
+};
+// comm's neighbourhood into `found`, or an error naming `operation` if comm has
+// no Cartesian or distributed-graph topology.
+ffi::Error neighborhood(MPI_Comm comm, std::string_view operation, Neighborhood* found);
+// An error naming `operation` unless `out` holds a block per source along its
+// leading axis and, for an alltoall, `x` one per destination.
+ffi::Error check_blocks(std::string_view operation, const Neighborhood& hood,
+                        const ffi::AnyBuffer& out, const Buffer* x);
+// The elements of one block of `blocks`, whose leading axis counts them.
+int64_t block_elements(const ffi::AnyBuffer& blocks);
 // MPI leaves the blocks from MPI_PROC_NULL neighbours unwritten: zeros there.
-void zero_missing(char* blocks, const std::vector<int>& from, int64_t block_bytes);
+void zero_missing(char* blocks, const Neighborhood& hood, int64_t block_bytes);
 
 }  // namespace jaxcomm::mpi
 

@@ -126,7 +126,7 @@ using PostBlocks = int (*)(const void*, int, MPI_Datatype, void*, int, MPI_Datat
 struct BlockExchange {
   PostBlocks post;
   bool split;         // x holds one block per peer (the alltoall forms), else it is one
-  bool neighborhood;  // the peers are a Cartesian communicator's neighbours
+  bool neighborhood;  // the peers are a Cartesian or graph communicator's neighbours
 };
 
 constexpr BlockExchange kIallgather{&MPI_Iallgather, false, false};
@@ -157,10 +157,11 @@ bool posted_pairs_as_standard() {
 
 // Where the library pairs the blocks of such a dimension s to s, sending the
 // two swapped delivers each where the standard puts it: every rank along the
-// dimension has the one neighbour both ways.
-void pair_as_standard(char* blocks, const std::vector<int>& neighbors, size_t block_bytes) {
-  for (size_t lower = 0; lower + 1 < neighbors.size(); lower += 2)
-    if (neighbors[lower] == neighbors[lower + 1] && neighbors[lower] != MPI_PROC_NULL &&
+// dimension has the one neighbour both ways. A graph's blocks pair in the order
+// of its lists, as the library's do.
+void pair_as_standard(char* blocks, const std::vector<int>& grid, size_t block_bytes) {
+  for (size_t lower = 0; lower + 1 < grid.size(); lower += 2)
+    if (grid[lower] == grid[lower + 1] && grid[lower] != MPI_PROC_NULL &&
         !posted_pairs_as_standard())
       std::swap_ranges(blocks + lower * block_bytes, blocks + (lower + 1) * block_bytes,
                        blocks + (lower + 1) * block_bytes);
@@ -170,21 +171,24 @@ ffi::Error exchange_blocks(const BlockExchange& kind, const Buffer& x, Result& o
                            int64_t comm_key, bool check) {
   Call call(comm_key, check, x);
   const std::string_view name = call.operation();
-  auto [error, comm, type] = start(call, x);
+  // A graph's ranks send different numbers of blocks: checking mode compares one.
+  auto [error, comm, type] = start(kind.neighborhood && kind.split ? call.per_block() : call, x);
   if (error.failure()) return error;
-  std::vector<int> neighbors;
-  if (kind.neighborhood)
-    if (auto err = cartesian_neighbors(comm, name, &neighbors); err.failure()) return err;
-  const int64_t peers =
-      kind.neighborhood ? static_cast<int64_t>(neighbors.size()) : comm_size(comm);
-  const int64_t elements = kind.split ? (peers ? x.element_count() / peers : 0) : x.element_count();
+  Neighborhood hood;
+  if (kind.neighborhood) {
+    if (auto err = neighborhood(comm, name, &hood); err.failure()) return err;
+    if (auto err = check_blocks(name, hood, *out, kind.split ? &x : nullptr); err.failure())
+      return err;
+  }
+  // A block is x, or one row of x (whose leading axis counts its blocks).
+  const int64_t elements = kind.split ? block_elements(x) : x.element_count();
   // MPI lets a datatype be freed (Block's destructor) while a request uses it.
   Block block(elements, type);
   Owned owned = own_buffers(name, comm_key, check, x, out);
   const size_t block_bytes = elements * ffi::ByteWidth(x.element_type());
-  if (kind.neighborhood && kind.split) pair_as_standard(owned.in, neighbors, block_bytes);
+  if (kind.split) pair_as_standard(owned.in, hood.grid, block_bytes);
   // Blocks from beyond an edge: MPI does not write them, and owned buffers are reused.
-  if (kind.neighborhood) zero_missing(owned.result, neighbors, block_bytes);
+  zero_missing(owned.result, hood, block_bytes);
   JAXCOMM_CHECK_MPI(kind.post(owned.in, block.count(), block.type(), owned.result, block.count(),
                               block.type(), comm, &owned.pending.requests.emplace_back()),
                     name, comm);

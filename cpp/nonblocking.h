@@ -42,7 +42,7 @@ ffi::Error Iallgather(Token, Buffer x, TokenOut, Result out, Result request, Res
                       int64_t comm, bool check);
 ffi::Error Ialltoall(Token, Buffer x, TokenOut, Result out, Result request, Result keep,
                      int64_t comm, bool check);
-// On a Cartesian communicator, as neighbor_allgather and neighbor_alltoall
+// On a Cartesian or graph communicator, as neighbor_allgather and neighbor_alltoall
 // (collectives.h).
 ffi::Error IneighborAllgather(Token, Buffer x, TokenOut, Result out, Result request, Result keep,
                               int64_t comm, bool check);

@@ -31,7 +31,7 @@ from jaxcomm._kernels import build_flags, register_kernel
 from jaxcomm._native import MPILibraryMismatchError
 from jaxcomm._primitive import PRIMITIVES
 from jaxcomm._requests import Request
-from jaxcomm.comm import CartComm, JaxComm, Status
+from jaxcomm.comm import CartComm, GraphComm, JaxComm, Status
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it from here
 
@@ -42,6 +42,7 @@ _ABORT_GRACE_S = 0.5
 __all__ = [  # and every module-level operation, added below
     "DTYPES",
     "CartComm",
+    "GraphComm",
     "JaxComm",
     "MPILibraryMismatchError",
     "ReduceOp",

@@ -1,5 +1,6 @@
 """Data-movement collectives: bcast, gather, allgather, scatter, alltoall, barrier,
-and on a Cartesian grid neighbor_allgather and neighbor_alltoall.
+and on a Cartesian grid or a distributed graph neighbor_allgather and
+neighbor_alltoall.
 
 bcast and allgather give every rank the same result: one replicated value, whose
 cotangent is expected to be replicated (checked in checking mode). gather,
@@ -7,6 +8,8 @@ scatter and alltoall have rank-dependent results and exact adjoints.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from jax import core
 
@@ -60,13 +63,36 @@ alltoall_p = comm_primitive("alltoall", same_shape, aliases=asked_in_place, lead
 barrier_p = comm_primitive("barrier", lambda **_: [])
 
 
-def _neighbor_blocks(x, *, comm: CommInfo, neighbors: int, **_):
-    return [core.ShapedArray((neighbors, *x.shape), x.dtype)]
+class Neighborhood(NamedTuple):
+    """A neighbour exchange's static facts: how many blocks arrive (one per
+    source) and leave (one per destination), and the communicator over the
+    reversed graph, whose exchange is the transpose (None: the communicator's
+    own, as on a Cartesian grid, where each neighbour is a source and a
+    destination in matching places)."""
+
+    sources: int
+    destinations: int
+    reverse: CommInfo | None = None
+
+    def reversed(self, comm: CommInfo) -> tuple[CommInfo, Neighborhood]:
+        """The communicator and neighbourhood of the exchange that transposes one
+        over `comm`: blocks go back the way they came."""
+        if self.reverse is None:
+            return comm, self
+        return self.reverse, Neighborhood(self.destinations, self.sources, comm)
 
 
-# On a Cartesian communicator: a block per neighbour (MPI_Neighbor_*).
+def _neighbor_blocks(x, *, neighborhood: Neighborhood, **_):
+    return [core.ShapedArray((neighborhood.sources, *x.shape), x.dtype)]
+
+
+def _neighbor_swap(x, *, neighborhood: Neighborhood, **_):
+    return [core.ShapedArray((neighborhood.sources, *x.shape[1:]), x.dtype)]
+
+
+# A block from each source, to each destination (MPI_Neighbor_*).
 neighbor_allgather_p = comm_primitive("neighbor_allgather", _neighbor_blocks)
-neighbor_alltoall_p = comm_primitive("neighbor_alltoall", same_shape)
+neighbor_alltoall_p = comm_primitive("neighbor_alltoall", _neighbor_swap)
 
 
 def bcast(x, *, comm: CommInfo, root: int):
@@ -94,9 +120,24 @@ def alltoall(x, *, comm: CommInfo, in_place: bool = False):
     return alltoall_p.bind(x, comm=comm, in_place=in_place)[0]
 
 
-def neighbor_alltoall(x, *, comm: CommInfo):
-    """Block k of x (2 * dims, *s) to neighbour k; block k of the result from it."""
-    return neighbor_alltoall_p.bind(x, comm=comm)[0]
+def neighbor_alltoall(x, *, comm: CommInfo, neighborhood: Neighborhood):
+    """Block j of x (destinations, *s) to destination j; block i of the result
+    (sources, *s) from source i."""
+    return neighbor_alltoall_p.bind(x, comm=comm, neighborhood=neighborhood)[0]
+
+
+def neighbor_alltoall_transpose(ct, *, comm: CommInfo, neighborhood: Neighborhood):
+    """The cotangent of neighbor_alltoall's x from its result's: each block goes
+    back to the source it came from, into the block it left (the reversed graph)."""
+    reverse, back = neighborhood.reversed(comm)
+    return neighbor_alltoall(ct, comm=reverse, neighborhood=back)
+
+
+def neighbor_allgather_transpose(ct, *, comm: CommInfo, neighborhood: Neighborhood):
+    """The cotangent of neighbor_allgather's x: x went to every destination, each
+    of which keeps it where the forward exchange put it; its cotangents come back
+    and add up. Each rank's own: no replicated-value convention."""
+    return neighbor_alltoall_transpose(ct, comm=comm, neighborhood=neighborhood).sum(axis=0)
 
 
 # -- transposes ------------------------------------------------------------------------
@@ -128,14 +169,12 @@ def _alltoall_transpose(cts, x, *, comm, in_place=False):
     return [alltoall(instantiate(cts[0]), comm=comm, in_place=in_place)]
 
 
-def _neighbor_allgather_transpose(cts, x, *, comm, neighbors):
-    # My x went to every neighbour, which keeps it where I keep theirs from it.
-    return [neighbor_alltoall(instantiate(cts[0]), comm=comm).sum(axis=0)]
+def _neighbor_allgather_transpose(cts, x, *, comm, neighborhood):
+    return [neighbor_allgather_transpose(instantiate(cts[0]), comm=comm, neighborhood=neighborhood)]
 
 
-def _neighbor_alltoall_transpose(cts, x, *, comm):
-    # Each block goes back to the neighbour it came from, into the block it left.
-    return [neighbor_alltoall(instantiate(cts[0]), comm=comm)]
+def _neighbor_alltoall_transpose(cts, x, *, comm, neighborhood):
+    return [neighbor_alltoall_transpose(instantiate(cts[0]), comm=comm, neighborhood=neighborhood)]
 
 
 # -- batching: a rank axis stays leading so each rank's rows are contiguous -------------
@@ -162,14 +201,15 @@ def _alltoall_batch(args, dims, *, comm, in_place=False):
     return alltoall_p.bind(move_batch(x, dim, 1), comm=comm, in_place=in_place), [1]
 
 
-def _neighbor_allgather_batch(args, dims, *, comm, neighbors):
+def _neighbor_allgather_batch(args, dims, *, comm, neighborhood):
     (x,), (dim,) = args, dims
-    return neighbor_allgather_p.bind(x, comm=comm, neighbors=neighbors), [dim + 1]
+    return neighbor_allgather_p.bind(x, comm=comm, neighborhood=neighborhood), [dim + 1]
 
 
-def _neighbor_alltoall_batch(args, dims, *, comm):
+def _neighbor_alltoall_batch(args, dims, *, comm, neighborhood):
     (x,), (dim,) = args, dims
-    return neighbor_alltoall_p.bind(move_batch(x, dim, 1), comm=comm), [1]
+    x = move_batch(x, dim, 1)
+    return neighbor_alltoall_p.bind(x, comm=comm, neighborhood=neighborhood), [1]
 
 
 for _primitive, _transpose, _batch in [

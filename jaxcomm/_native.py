@@ -81,6 +81,13 @@ _modules = (cpu,) if cuda is None else (cpu, cuda)
 _keys = itertools.count(1)
 
 
+def handle_of(comm: MPI.Comm) -> int:
+    """comm's MPI handle as the FFI attribute takes it (a signed int64; mpi4py
+    reports handles as unsigned)."""
+    handle = MPI._handleof(comm)
+    return handle - (1 << 64) if handle >= (1 << 63) else handle
+
+
 def register_comm(handle: int) -> int:
     """A new key under which compiled operations reach the communicator `handle`."""
     key = next(_keys)

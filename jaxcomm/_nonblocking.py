@@ -380,6 +380,14 @@ class Adjoint(NamedTuple):
     params: Callable[..., dict] = lambda **p: p
     after: Callable[..., Any] = lambda ct, **_: ct  # applied to the waited cotangent
     local: Callable[..., Any] | None = None  # ct -> cotangent of x, at the wait's transpose
+    # (comm, params) of the adjoint from the operation's: a graph's exchange goes
+    # back over the reversed graph.
+    over: Callable[[CommInfo, dict], tuple[CommInfo, dict]] = lambda comm, params: (comm, params)
+
+
+def _reversed(comm: CommInfo, params: dict) -> tuple[CommInfo, dict]:
+    reverse, back = params["neighborhood"].reversed(comm)
+    return reverse, {**params, "neighborhood": back}
 
 
 def _pvaried(ct, comm, operation):
@@ -404,11 +412,8 @@ ADJOINTS: dict[str, Adjoint] = {
     ),
     "iallgather": Adjoint(None, local=lambda ct, comm: _pvaried(ct, comm, "iallgather")[comm.rank]),
     "ialltoall": Adjoint("ialltoall"),
-    "ineighbor_allgather": Adjoint(
-        None,
-        local=lambda ct, comm, neighbors: _collectives.neighbor_alltoall(ct, comm=comm).sum(axis=0),
-    ),
-    "ineighbor_alltoall": Adjoint("ineighbor_alltoall"),
+    "ineighbor_allgather": Adjoint(None, local=_collectives.neighbor_allgather_transpose),
+    "ineighbor_alltoall": Adjoint("ineighbor_alltoall", over=_reversed),
     "ireduce_scatter": Adjoint(
         "iallgather",
         params=lambda **_: {},
@@ -459,11 +464,12 @@ def _wait_transpose(cts, *operands, operation, comm, params):
         if source is None:  # isend: the cotangent comes back into a buffer like x
             source = jnp.zeros(operands[1].aval.shape, operands[1].aval.dtype)
         rows = _variable_size.rows_of(keep, counts[0], 1) if kind.counts else 0
-        a_params = {**_adjoint_params(adjoint, kind, params, rows), "posted": 0}
+        a_comm, a_params = adjoint.over(comm, _adjoint_params(adjoint, kind, params, rows))
+        a_params["posted"] = 0
         if operation == "irecv":  # see _p2p.refuse_derivative_of_reply
             a_params["cotangent"] = True
         swapped = _swapped(counts, comm, learn=kind.counts and ad.is_undefined_primal(counts[1]))
-        outs = list(target.start.bind(source, *swapped, comm=comm, **a_params))
+        outs = list(target.start.bind(source, *swapped, comm=a_comm, **a_params))
         a_pending = outs.pop(0) if target.kind.result else None
         request_ct = outs.pop(0)
         a_keep = outs.pop(0) if target.kind.input else None
@@ -498,12 +504,12 @@ def _start_transpose(operation):
         target = adjoint.operation
         a_kind = OPERATIONS[target].kind
         rows = _variable_size.rows_of(x, counts[0], 1) if op.kind.counts else 0
-        a_params = _adjoint_params(adjoint, op.kind, params, rows)
+        a_comm, a_params = adjoint.over(comm, _adjoint_params(adjoint, op.kind, params, rows))
         learn = op.kind.counts and params["exchange"] == _variable_size.EXCHANGED
         swapped = _swapped(counts, comm, learn=learn)
         # As the wait's transpose passed them: the adjoint's pending came as keep's
         # cotangent, its kept data as pending's.
-        outs = bind_wait(target, comm, a_params, request_ct, pending_ct, keep_ct, swapped)
+        outs = bind_wait(target, a_comm, a_params, request_ct, pending_ct, keep_ct, swapped)
         if not a_kind.result:
             return [None, *no_counts]
         return [adjoint.after(outs[0], comm=comm), *no_counts]

@@ -34,6 +34,7 @@ from jaxcomm._requests import Request
 
 PyTree = Any
 Self = TypeVar("Self", bound="JaxComm")
+T = TypeVar("T", bound="JaxComm")
 P = ParamSpec("P")
 
 
@@ -57,11 +58,6 @@ def _received(result: PyTree, rest: Sequence[Any], source: int, tag: int) -> tup
     if not rest:  # an empty pytree: nothing arrived
         return result, Status(jnp.int32(source), jnp.int32(tag))
     return result, _status(rest[0], jax.tree.leaves(result)[-1])
-
-
-def _signed64(handle: int) -> int:
-    """mpi4py reports handles as unsigned; the FFI attribute is a signed int64."""
-    return handle - (1 << 64) if handle >= (1 << 63) else handle
 
 
 @functools.cache
@@ -156,7 +152,7 @@ class JaxComm:
         self._mpi.Set_errhandler(MPI.ERRORS_RETURN)
         if check is None:
             check = comm.check if isinstance(comm, JaxComm) else _settings.CHECK
-        handle = _signed64(MPI._handleof(self._mpi))
+        handle = _native.handle_of(self._mpi)
         self._info = CommInfo(
             _native.register_comm(handle),
             handle,
@@ -218,9 +214,34 @@ class JaxComm:
         """
         cart = topology.cartesian_mpi_comm(self._mpi, dims, periods, reorder)
         try:
-            return _cartesian(type(self))(cart, check=self.check)
+            return _with_topology(type(self), CartComm)(cart, check=self.check)
         finally:
             cart.Free()
+
+    def create_dist_graph(
+        self, sources: Sequence[int], destinations: Sequence[int], *, reorder: bool = False
+    ) -> GraphComm:
+        """A distributed graph over this communicator's ranks (collective;
+        ``MPI_Dist_graph_create_adjacent``).
+
+        sources and destinations: the ranks this rank receives from and sends
+        to, in the order its neighbour exchanges use; possibly empty, possibly
+        this rank itself. Every edge must be in its source's destinations and
+        its destination's sources (checked: every rank raises otherwise). Returns
+        a GraphComm that is also of this communicator's type, with
+        ``sources``, ``destinations`` and the neighbour collectives.
+
+        ``reorder=True`` lets MPI give each process another rank in the graph,
+        to place neighbours close. The graph stays the one given in this
+        communicator's ranks, but a process then takes the part of rank
+        ``g.rank``: its ``g.sources`` and ``g.destinations`` are the lists that
+        rank passed, not necessarily its own arguments.
+        """
+        graph = topology.dist_graph_mpi_comm(self._mpi, sources, destinations, reorder)
+        try:
+            return _with_topology(type(self), GraphComm)(graph, check=self.check)
+        finally:
+            graph.Free()
 
     def free(self) -> None:
         """Free the MPI communicator (collective). The JaxComm is unusable after."""
@@ -598,12 +619,26 @@ class JaxComm:
 class CartComm(topology.Cartesian, JaxComm):
     """A JaxComm over an MPI Cartesian topology (made by JaxComm.create_cart)."""
 
+    _plain: type[JaxComm] = JaxComm  # the class without the topology's methods
+
+
+class GraphComm(topology.Graph, JaxComm):
+    """A JaxComm over an MPI distributed graph (made by JaxComm.create_dist_graph)."""
+
+    _plain: type[JaxComm] = JaxComm
+
+
+_PREFIX = {CartComm: "Cart", GraphComm: "Graph"}
+
 
 @functools.cache
-def _cartesian(cls: type[JaxComm]) -> type[CartComm]:
-    """`cls` with the Cartesian methods: a subclass keeps its own methods on grids."""
-    if issubclass(cls, CartComm):
+def _with_topology(cls: type[JaxComm], form: type[T]) -> type[T]:
+    """`cls` with the methods of `form` (CartComm or GraphComm): a subclass keeps
+    its own methods on a grid or graph; another topology's are not kept."""
+    if issubclass(cls, form):
         return cls
-    if cls is JaxComm:
-        return CartComm
-    return type(f"Cart{cls.__name__}", (CartComm, cls), {"__module__": cls.__module__})
+    plain = getattr(cls, "_plain", cls)
+    if plain is JaxComm:
+        return form
+    name = f"{_PREFIX[form]}{plain.__name__}"
+    return type(name, (form, plain), {"__module__": plain.__module__, "_plain": plain})

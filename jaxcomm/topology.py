@@ -1,34 +1,94 @@
-"""Cartesian process grids: coordinates, neighbours and halo exchange.
+"""Communicators whose topology MPI knows: Cartesian process grids (coordinates,
+neighbours and halo exchange) and distributed graphs; the neighbour collectives
+of both.
 
-`Cartesian` holds the grid's methods; jaxcomm.comm combines it with JaxComm into
-CartComm (and into a Cartesian form of each JaxComm subclass)."""
+`Cartesian` and `Graph` hold their methods; jaxcomm.comm combines each with JaxComm
+into CartComm and GraphComm (and into such a form of each JaxComm subclass)."""
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from mpi4py import MPI
 
-from jaxcomm import _collectives, _requests
+from jaxcomm import _collectives, _native, _requests
+from jaxcomm._collectives import Neighborhood
 from jaxcomm._primitive import CommInfo
 
 PyTree = Any
 
 
-class Cartesian:
+class NeighborExchanges:
+    """The neighbour collectives (MPI_Neighbor_*) of a communicator whose topology
+    MPI knows, for a class that also derives from JaxComm (whose _apply and _comm
+    they use). Each rank's blocks go to its destinations and come from its
+    sources, in the order MPI keeps for the topology (`_neighborhood`)."""
+
+    _apply: Any
+    _comm: CommInfo
+    _blocks_name: str  # how errors name the number of blocks x must have
+    _neighborhood: Neighborhood  # set by the topology's __init__
+
+    def neighbor_allgather(self, x: PyTree) -> PyTree:
+        """Every source's x: ``(sources, *x.shape)``, block i from source i
+        (``MPI_Neighbor_allgather``).
+
+        On a graph the sources are ``sources``; on a grid, the ``2 * len(dims)``
+        neighbours in MPI's order (block ``2 d`` from the lower neighbour along grid
+        dimension d, block ``2 d + 1`` from the upper one), with zeros from beyond a
+        non-periodic edge.
+        """
+        return self._apply(_collectives.neighbor_allgather_p, x, neighborhood=self._neighborhood)[0]
+
+    def neighbor_alltoall(self, x: PyTree) -> PyTree:
+        """x: ``(destinations, *s)``; block j goes to destination j. Returns
+        ``(sources, *s)``, block i from source i (``MPI_Neighbor_alltoall``).
+
+        On a grid both are the neighbours in neighbor_allgather's order, with
+        zeros from beyond a non-periodic edge.
+        """
+        self._check_blocks("neighbor_alltoall", x)
+        return self._apply(_collectives.neighbor_alltoall_p, x, neighborhood=self._neighborhood)[0]
+
+    def ineighbor_allgather(self, x: PyTree) -> _requests.Request:
+        """Post neighbor_allgather (``MPI_Ineighbor_allgather``); ``wait`` returns
+        ``(sources, *x.shape)``."""
+        params = {"neighborhood": self._neighborhood}
+        return _requests.post("ineighbor_allgather", x, self._comm, params)
+
+    def ineighbor_alltoall(self, x: PyTree) -> _requests.Request:
+        """Post neighbor_alltoall (``MPI_Ineighbor_alltoall``; x:
+        ``(destinations, *s)``); ``wait`` returns ``(sources, *s)``."""
+        self._check_blocks("ineighbor_alltoall", x)
+        params = {"neighborhood": self._neighborhood}
+        return _requests.post("ineighbor_alltoall", x, self._comm, params)
+
+    def _check_blocks(self, operation: str, x: PyTree) -> None:
+        """x's leaves must hold one block per destination."""
+        blocks = self._neighborhood.destinations
+        for leaf in jax.tree.leaves(x):
+            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != blocks:
+                raise ValueError(
+                    f"{operation}: x must have a leading axis of {self._blocks_name}={blocks} "
+                    f"(one block per destination), got shape {jnp.shape(leaf)}"
+                )
+
+
+class Cartesian(NeighborExchanges):
     """The methods of a communicator over an MPI Cartesian topology, for a class
     that also derives from JaxComm (whose mpi, rank, sendrecv and _apply they use)."""
 
     mpi: MPI.Cartcomm
     rank: int
     sendrecv: Any
-    _apply: Any
-    _comm: CommInfo
+    _blocks_name = "2 * len(dims)"
 
     def __init__(self, comm: Any = None, *, check: bool | None = None):
         super().__init__(comm, check=check)  # JaxComm's
@@ -37,6 +97,9 @@ class Cartesian:
         self._dims = tuple(self.mpi.dims)
         self._periods = tuple(bool(p) for p in self.mpi.periods)
         self._coords = tuple(self.mpi.Get_coords(self.rank))
+        # Each neighbour is a source and a destination, in places that pair up:
+        # an exchange is its own transpose.
+        self._neighborhood = Neighborhood(2 * len(self._dims), 2 * len(self._dims))
 
     @property
     def dims(self) -> tuple[int, ...]:
@@ -61,47 +124,6 @@ class Cartesian:
         if not 0 <= direction < len(self.dims):
             raise ValueError(f"shift: direction={direction} is not a dimension of {self.dims}")
         return self.mpi.Shift(direction, disp)
-
-    def neighbor_allgather(self, x: PyTree) -> PyTree:
-        """Every neighbour's x: ``(2 * len(dims), *x.shape)``.
-
-        Block ``2 d`` comes from the lower neighbour along grid dimension d and
-        block ``2 d + 1`` from the upper one (``MPI_Neighbor_allgather``); blocks
-        from beyond a non-periodic edge are zeros.
-        """
-        return self._apply(_collectives.neighbor_allgather_p, x, neighbors=self._neighbors)[0]
-
-    def neighbor_alltoall(self, x: PyTree) -> PyTree:
-        """x: ``(2 * len(dims), *s)``; block k goes to neighbour k and block k of
-        the result comes from it, in neighbor_allgather's order
-        (``MPI_Neighbor_alltoall``). Zeros from beyond a non-periodic edge.
-        """
-        self._check_blocks("neighbor_alltoall", x)
-        return self._apply(_collectives.neighbor_alltoall_p, x)[0]
-
-    def ineighbor_allgather(self, x: PyTree) -> _requests.Request:
-        """Post neighbor_allgather (``MPI_Ineighbor_allgather``); ``wait`` returns
-        ``(2 * len(dims), *x.shape)``."""
-        return _requests.post("ineighbor_allgather", x, self._comm, {"neighbors": self._neighbors})
-
-    def ineighbor_alltoall(self, x: PyTree) -> _requests.Request:
-        """Post neighbor_alltoall (``MPI_Ineighbor_alltoall``; x:
-        ``(2 * len(dims), *s)``); ``wait`` returns ``(2 * len(dims), *s)``."""
-        self._check_blocks("ineighbor_alltoall", x)
-        return _requests.post("ineighbor_alltoall", x, self._comm, {})
-
-    @property
-    def _neighbors(self) -> int:
-        return 2 * len(self.dims)
-
-    def _check_blocks(self, operation: str, x: PyTree) -> None:
-        """x's leaves must hold one block per neighbour."""
-        for leaf in jax.tree.leaves(x):
-            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != self._neighbors:
-                raise ValueError(
-                    f"{operation}: x must have a leading axis of 2 * len(dims)={self._neighbors} "
-                    f"(one block per neighbour), got shape {jnp.shape(leaf)}"
-                )
 
     def halo_exchange(
         self, x: PyTree, axis: int, width: int = 1, direction: int | None = None
@@ -134,6 +156,134 @@ class Cartesian:
             return a
 
         return jax.tree.map(lambda leaf: exchange(jnp.asarray(leaf)), x)
+
+
+class Graph(NeighborExchanges):
+    """The methods of a communicator over an MPI distributed graph, for a class
+    that also derives from JaxComm (whose mpi, check and free they use).
+
+    It holds a second communicator, over the reversed graph (each edge turned
+    round), whose exchanges are the transposes of this one's. Made here, with
+    the graph (a collective call): never while tracing, which each rank does at
+    its own time. free() frees both."""
+
+    mpi: MPI.Distgraphcomm
+    check: bool
+    _blocks_name = "len(destinations)"
+
+    def __init__(self, comm: Any = None, *, check: bool | None = None):
+        super().__init__(comm, check=check)  # JaxComm's
+        if self.mpi.Get_topology() != MPI.DIST_GRAPH:
+            raise TypeError(f"{type(self).__name__}: comm must have a distributed-graph topology")
+        # As MPI keeps them: with reorder, those of the rank this process became.
+        sources, destinations, _ = self.mpi.Get_dist_neighbors()
+        self._sources = tuple(int(r) for r in sources)
+        self._destinations = tuple(int(r) for r in destinations)
+        jax.effects_barrier()  # no jaxcomm call may be running on XLA's threads meanwhile
+        self._reverse = self.mpi.Create_dist_graph_adjacent(
+            self._destinations, self._sources, reorder=False
+        )
+        self._reverse.Set_errhandler(MPI.ERRORS_RETURN)
+        handle = _native.handle_of(self._reverse)
+        info = self._comm
+        reverse = CommInfo(_native.register_comm(handle), handle, info.rank, info.size, info.check)
+        self._neighborhood = Neighborhood(len(self._sources), len(self._destinations), reverse)
+
+    @property
+    def sources(self) -> tuple[int, ...]:
+        """The ranks this rank receives a block from, in order (its in-neighbours)."""
+        return self._sources
+
+    @property
+    def destinations(self) -> tuple[int, ...]:
+        """The ranks this rank sends a block to, in order (its out-neighbours)."""
+        return self._destinations
+
+    def free(self) -> None:
+        """Free the MPI communicator and its reversed graph (collective)."""
+        jax.effects_barrier()
+        if self._reverse != MPI.COMM_NULL:
+            _native.unregister_comm(self._neighborhood.reverse.key)
+            self._reverse.Free()
+        super().free()  # JaxComm's
+
+
+def _rank_list(argument: str, value: Any, size: int) -> list[int]:
+    """`value` as a list of ranks of a communicator of `size`, or an error naming
+    create_dist_graph's `argument`."""
+    if isinstance(value, (str, bytes)) or not (
+        isinstance(value, Sequence) or (np.ndim(value) == 1 and hasattr(value, "__array__"))
+    ):
+        raise TypeError(f"create_dist_graph: {argument} must be a sequence of ranks, got {value!r}")
+    ranks = []
+    for i, rank in enumerate(value):
+        try:
+            if isinstance(rank, (bool, np.bool_)):
+                raise TypeError
+            rank = operator.index(rank)
+        except TypeError:
+            raise TypeError(
+                f"create_dist_graph: {argument}[{i}] must be an integer rank, got {rank!r}"
+            ) from None
+        if not 0 <= rank < size:
+            raise ValueError(
+                f"create_dist_graph: {argument}[{i}]={rank} is not a rank of this "
+                f"communicator (size {size})"
+            )
+        ranks.append(rank)
+    return ranks
+
+
+def _agree(comm: MPI.Intracomm, error: Exception | None, what: str) -> None:
+    """Raise `error` on the ranks that have one and an error naming them on the
+    others, if any rank has one: so that no rank enters a collective call that
+    the others have left."""
+    failed = [rank for rank, bad in enumerate(comm.allgather(error is not None)) if bad]
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"create_dist_graph: {what} on rank(s) {failed} (see their errors)")
+
+
+def _edge_error(comm: MPI.Intracomm, sources: list[int], destinations: list[int]):
+    """An error naming the ranks whose edges to this rank disagree with its
+    `sources`, if any: each edge must be in its source's destinations and its
+    destination's sources, as often."""
+    size = comm.Get_size()
+    sent = np.bincount(np.asarray(destinations, np.int64), minlength=size).astype(np.int32)
+    named = np.empty_like(sent)  # how often each rank's destinations name this one
+    comm.Alltoall(sent, named)
+    expected = np.bincount(np.asarray(sources, np.int64), minlength=size)
+    wrong = [
+        f"rank {r} names it {named[r]} time(s), its sources {expected[r]}"
+        for r in np.flatnonzero(named != expected)
+    ]
+    if not wrong:
+        return None
+    return ValueError(
+        f"create_dist_graph: the graph is inconsistent at rank {comm.Get_rank()}: in their "
+        f"destinations {'; '.join(wrong)} (every edge must be in its source's "
+        "destinations and its destination's sources)"
+    )
+
+
+def dist_graph_mpi_comm(
+    comm: MPI.Intracomm, sources: Any, destinations: Any, reorder: bool = False
+) -> MPI.Distgraphcomm:
+    """A new MPI distributed-graph communicator over comm's ranks, with this rank's
+    in- and out-neighbours (see JaxComm.create_dist_graph). Every rank checks its
+    lists and the edges they share with the other ranks' before any creates it."""
+    jax.effects_barrier()  # no jaxcomm call may be running on XLA's threads meanwhile
+    size = comm.Get_size()
+    error = None
+    try:
+        sources = _rank_list("sources", sources, size)
+        destinations = _rank_list("destinations", destinations, size)
+    except (TypeError, ValueError) as raised:
+        error = raised
+    _agree(comm, error, "invalid sources or destinations")
+    _agree(comm, _edge_error(comm, sources, destinations), "an inconsistent graph")
+    return comm.Create_dist_graph_adjacent(sources, destinations, reorder=bool(reorder))
 
 
 def cartesian_mpi_comm(

@@ -10,7 +10,7 @@ from data import FLOAT, assert_values
 from mpi4py import MPI
 
 import jaxcomm
-from jaxcomm import CartComm, JaxComm
+from jaxcomm import CartComm, GraphComm, JaxComm
 
 
 def test_duplicates_and_properties(comm):
@@ -146,14 +146,14 @@ def test_the_cpp_and_python_declarations_agree():
         assert set(_native.cuda.registrations()) == {f"jaxcomm_{n}" for n in blocking}
     # Every operation but those the AD rules use is a method and a module function,
     # whose signature names every parameter the operation declares a check for.
-    # Those of a Cartesian grid are methods of CartComm only.
+    # The neighbour collectives are methods of CartComm and GraphComm only.
     public = declared - {"tagged_sendrecv", "check_replicated"}
     grid = {name for name in declared if "neighbor_" in name}
     for name in public:
-        owner = CartComm if name in grid else JaxComm
-        assert callable(getattr(owner, name)), name
-        signature = inspect.signature(getattr(owner, name))
-        assert set(PRIMITIVES[name].params) <= set(signature.parameters), name
+        for owner in (CartComm, GraphComm) if name in grid else (JaxComm,):
+            assert callable(getattr(owner, name)), name
+            signature = inspect.signature(getattr(owner, name))
+            assert set(PRIMITIVES[name].params) <= set(signature.parameters), name
         if name in grid:
             assert not hasattr(JaxComm, name) and name not in jaxcomm.__all__, name
             continue
