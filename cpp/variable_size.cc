@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -426,12 +427,12 @@ Counts sent_counts(const Counts& sent, int32_t counting) {
 // without leaving messages that a later collective would match.
 ffi::Error received_counts(Rows& rows, int32_t counting, bool check, const Buffer& given,
                            const char* name, std::vector<int> exchanged, int64_t per_member,
-                           std::vector<Counts>& out) {
+                           std::optional<Counts>& out) {
   if (counting == kExchanged) {
-    out.emplace_back(std::move(exchanged), rows.members(), per_member);
+    out.emplace(std::move(exchanged), rows.members(), per_member);
     return ffi::Error::Success();
   }
-  Counts& counts = out.emplace_back(given, name, rows.members(), per_member);
+  Counts& counts = out.emplace(given, name, rows.members(), per_member);
   // Counts that were refused in the exchange mirrored sent no rows: they read as
   // zeros, and the refusal is this call's error. An adjoint receives what x's
   // rows were (its capacity): counts beyond them were refused too.
@@ -453,32 +454,36 @@ ffi::Error received_counts(Rows& rows, int32_t counting, bool check, const Buffe
 // those it receives, given or exchanged.
 ffi::Error alltoallv_counts(Call& call, Rows& rows, const Buffer& send_counts,
                             const Buffer& given_counts, int32_t counting, bool check,
-                            std::vector<Counts>& counts) {
+                            std::optional<Counts>& own, std::optional<Counts>& received) {
   const bool exchange = counting == kExchanged;
   MPI_Comm comm = rows.comm();
   const int size = comm_size(comm);
   const int64_t members = rows.members();
-  Counts& sent = counts.emplace_back(send_counts, "send_counts", members, size);
+  Counts& sent = own.emplace(send_counts, "send_counts", members, size);
   sent.within(rows.rows());
   std::vector<int> exchanged(sent.values().size(), 0);
   if (exchange || check) {
     // Each peer gets its counts of every member together.
     std::vector<int> storage;
     const auto out = transposed(sent_counts(sent, counting).values(), members, size, storage);
-    std::vector<int> in(out.size());
-    JAXCOMM_CHECK_MPI(MPI_Alltoall(out.data(), static_cast<int>(members), MPI_INT, in.data(),
+    // One member's counts arrive in place; a batch's are transposed back.
+    std::vector<int> in(members > 1 ? out.size() : 0);
+    int* into = members > 1 ? in.data() : exchanged.data();
+    JAXCOMM_CHECK_MPI(MPI_Alltoall(out.data(), static_cast<int>(members), MPI_INT, into,
                                    static_cast<int>(members), MPI_INT, comm),
                       call.operation(), comm);
-    const auto back = transposed(in, size, members, storage);
-    exchanged.assign(back.begin(), back.end());
+    if (members > 1) {
+      const auto back = transposed(in, size, members, storage);
+      exchanged.assign(back.begin(), back.end());
+    }
   }
   // An adjoint's recv_counts are the send_counts of the exchange it reverses.
   const char* given_name = counting == kReversed ? "send_counts" : "recv_counts";
   if (auto err = received_counts(rows, counting, check, given_counts, given_name,
-                                 std::move(exchanged), size, counts);
+                                 std::move(exchanged), size, received);
       err.failure())
     return err;
-  return rows.fit(sent_counts(sent, counting).total(), counts[1].total());
+  return rows.fit(sent_counts(sent, counting).total(), received->total());
 }
 
 // A copy of `values` in a buffer of `pending`'s, for MPI to read until it completes.
@@ -496,14 +501,14 @@ ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, T
   const bool exchange = counting == kExchanged;
   Rows rows(call, x, out, batch_of(send_counts, 1), exchange, "recv_counts");
   if (auto err = rows.take_error(); err.failure()) return err;
-  std::vector<Counts> counts;
-  counts.reserve(2);
-  if (auto err = alltoallv_counts(call, rows, send_counts, given_counts, counting, check, counts);
+  std::optional<Counts> own, received_counts;
+  if (auto err = alltoallv_counts(call, rows, send_counts, given_counts, counting, check, own,
+                                  received_counts);
       err.failure())
     return err;
-  const Counts sent = sent_counts(counts[0], counting);
-  const Counts& received = counts[1];
-  const Sending from = sending(rows, x, counts[0], counting);
+  const Counts sent = sent_counts(*own, counting);
+  const Counts& received = *received_counts;
+  const Sending from = sending(rows, x, *own, counting);
   std::vector<char> scratch;
   char* into = rows.destination(received, scratch);
   Blocks out_blocks(sent), in_blocks(received);
@@ -518,7 +523,7 @@ ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, T
   });
   JAXCOMM_CHECK_MPI(code, call.operation(), rows.comm());
   rows.settle(into, received, recv_counts);
-  auto error = rows.outcome(counts[0], pads(counts[0], counting), received);
+  auto error = rows.outcome(*own, pads(*own, counting), received);
   return defer ? ffi::Error::Success() : std::move(error);
 }
 
@@ -535,16 +540,16 @@ ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, 
   const bool exchange = counting == kExchanged;
   Rows rows(call, x, out, batch_of(send_counts, 1), exchange, "recv_counts");
   if (auto err = rows.take_error(); err.failure()) return err;
-  std::vector<Counts> counts;
-  counts.reserve(2);
-  if (auto err = alltoallv_counts(call, rows, send_counts, given_counts, counting, check, counts);
+  std::optional<Counts> own, received_counts;
+  if (auto err = alltoallv_counts(call, rows, send_counts, given_counts, counting, check, own,
+                                  received_counts);
       err.failure())
     return err;
-  const Counts sent = sent_counts(counts[0], counting);
-  const Counts& received = counts[1];
+  const Counts sent = sent_counts(*own, counting);
+  const Counts& received = *received_counts;
   write_counts(recv_counts, received);
   Pending pending{call.operation(), comm_key, check};
-  const Sending from = sending(rows, x, counts[0], counting);
+  const Sending from = sending(rows, x, *own, counting);
   const char* in = from.packed.empty() ? pending.own_copy(x.untyped_data(), x.size_bytes())
                                        : pending.own_copy(from.packed.data(), from.packed.size());
   char* result = pending.own_result(out->size_bytes());
@@ -557,7 +562,7 @@ ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, 
   pending.finish = [result, into, direct, capacity = rows.capacity(), row_bytes = rows.row_bytes(),
                     members = rows.members(), per_member = received.per_member(),
                     values = std::vector<int>(received.values().begin(), received.values().end()),
-                    error = rows.outcome(counts[0], pads(counts[0], counting), received)](
+                    error = rows.outcome(*own, pads(*own, counting), received)](
                        Call&, const MPI_Status*, int32_t*) mutable {
     if (!direct)
       place(result, into, Counts(std::move(values), members, per_member), capacity, row_bytes);
@@ -596,27 +601,53 @@ ffi::Error gather_rows(Call& call, const Buffer& x, const Buffer& count, const B
   own.within(rows.rows());
   const Counts sent = sent_counts(own, counting);
   std::vector<int> exchanged(static_cast<size_t>(members * size), 0);
-  int refused_by = -1;  // allgatherv: a rank whose count was refused, if any
+  // allgatherv's result is one value on every rank: where it lacks a rank's
+  // rows (a refused count) or does not fit a rank's capacity, every rank raises.
+  // So each rank sends its capacity beside each count, and -1 for a refused one.
+  std::string everyone_fails;
   if (exchange || check) {
-    // allgatherv's result is one value on every rank, which lacks the rows of a
-    // rank that refused its count: that rank sends -1, and every rank raises.
-    const std::vector<int> refused(static_cast<size_t>(members), -1);
-    const int* mine = everyone && !own.valid() ? refused.data() : sent.values().data();
-    std::vector<int> in(exchanged.size());
-    const int n = static_cast<int>(members);
-    JAXCOMM_CHECK_MPI(everyone ? MPI_Allgather(mine, n, MPI_INT, in.data(), n, MPI_INT, comm)
-                               : MPI_Gather(mine, n, MPI_INT, in.data(), n, MPI_INT, root, comm),
-                      call.operation(), comm);
-    for (size_t i = 0; i < in.size(); ++i)
-      if (in[i] < 0) {
-        refused_by = static_cast<int>(i / members);
-        in[i] = 0;
+    const int per_rank = static_cast<int>(everyone ? 2 * members : members);
+    std::vector<int> mine(per_rank), in(static_cast<size_t>(per_rank) * size);
+    for (int64_t b = 0; b < members; ++b) {
+      const int c = everyone && !own.valid() ? -1 : sent.member(b)[0];
+      if (everyone) {
+        mine[2 * b] = c;
+        mine[2 * b + 1] = static_cast<int>(std::min<int64_t>(rows.capacity(), kMaxCount));
+      } else {
+        mine[b] = c;
       }
+    }
+    JAXCOMM_CHECK_MPI(
+        everyone
+            ? MPI_Allgather(mine.data(), per_rank, MPI_INT, in.data(), per_rank, MPI_INT, comm)
+            : MPI_Gather(mine.data(), per_rank, MPI_INT, in.data(), per_rank, MPI_INT, root, comm),
+        call.operation(), comm);
+    if (everyone) {  // counts and capacities apart; who makes every rank fail
+      std::vector<int> capacities(size), totals(members, 0);
+      for (int r = 0; r < size; ++r)
+        for (int64_t b = 0; b < members; ++b) {
+          int& c = in[(r * members + b) * 2];
+          if (c < 0 && everyone_fails.empty())
+            everyone_fails = "rank " + std::to_string(r) +
+                             "'s count was refused, so every rank's rows lack its rows";
+          c = std::max(c, 0);
+          totals[b] += c;
+          capacities[r] = in[(r * members + b) * 2 + 1];
+          in[r * members + b] = c;  // compacted in place: index <= the pair's
+        }
+      const int64_t most = *std::max_element(totals.begin(), totals.end());
+      for (int r = 0; r < size && everyone_fails.empty(); ++r)
+        if (capacities[r] < most)
+          everyone_fails = "rank " + std::to_string(r) +
+                           "'s capacity=" + std::to_string(capacities[r]) + " is less than the " +
+                           std::to_string(most) + " rows gathered";
+      in.resize(static_cast<size_t>(members) * size);
+    }
     std::vector<int> storage;
     const auto back = transposed(in, size, members, storage);
     exchanged.assign(back.begin(), back.end());
   }
-  std::vector<Counts> counts;
+  std::optional<Counts> counts;
   if (receives) {
     if (auto err = received_counts(rows, counting, check, given_counts, "counts",
                                    std::move(exchanged), size, counts);
@@ -629,9 +660,9 @@ ffi::Error gather_rows(Call& call, const Buffer& x, const Buffer& count, const B
     for (int64_t b = 0; b < members; ++b) mine[b * size + rank] = sent.member(b)[0];
     if (check && counting == kGiven)  // as received_counts on the root
       if (auto err = rows.agree(false, "counts", {}, {}); err.failure()) return err;
-    counts.emplace_back(std::move(mine), members, size);
+    counts.emplace(std::move(mine), members, size);
   }
-  const Counts& received = counts[0];
+  const Counts& received = *counts;
   const Counts none(std::vector<int>(static_cast<size_t>(members * size), 0), members, size);
   const Counts& arriving = receives ? received : none;
   if (auto err = rows.fit(sent.total(), arriving.total()); err.failure()) return err;
@@ -653,9 +684,7 @@ ffi::Error gather_rows(Call& call, const Buffer& x, const Buffer& count, const B
   rows.settle(into, arriving, counts_out);
   if (!receives) write_counts(counts_out, received);  // this rank's own
   auto error = rows.outcome(own, pads(own, counting), arriving);
-  if (error.success() && refused_by >= 0)
-    error = rows.refuse("rank " + std::to_string(refused_by) +
-                        "'s count was refused, so every rank's rows lack its rows");
+  if (error.success() && !everyone_fails.empty()) error = rows.refuse(everyone_fails);
   return defer ? ffi::Error::Success() : std::move(error);
 }
 
@@ -689,14 +718,13 @@ ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut
   const bool is_root = comm_rank(comm) == root;
   const int64_t members = rows.members();
   // Only the root's counts are read; elsewhere they are none.
-  std::vector<Counts> own;
+  std::optional<Counts> own;
   if (is_root) {
-    own.emplace_back(counts, "counts", members, size);
-    own.back().within(rows.rows());
+    own.emplace(counts, "counts", members, size).within(rows.rows());
   } else {
-    own.emplace_back(std::vector<int>(static_cast<size_t>(members * size), 0), members, size);
+    own.emplace(std::vector<int>(static_cast<size_t>(members * size), 0), members, size);
   }
-  const Counts sent = sent_counts(own[0], counting);
+  const Counts sent = sent_counts(*own, counting);
   std::vector<int> exchanged(static_cast<size_t>(members), 0);
   if (exchange || check) {
     std::vector<int> storage;
@@ -706,14 +734,14 @@ ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut
         MPI_Scatter(out_counts.data(), n, MPI_INT, exchanged.data(), n, MPI_INT, root, comm),
         call.operation(), comm);
   }
-  std::vector<Counts> received_list;
+  std::optional<Counts> received_list;
   if (auto err = received_counts(rows, counting, check, given_count, "count", std::move(exchanged),
                                  1, received_list);
       err.failure())
     return err;
-  const Counts& received = received_list[0];
+  const Counts& received = *received_list;
   if (auto err = rows.fit(sent.total(), received.total()); err.failure()) return err;
-  const Sending from = is_root ? sending(rows, x, own[0], counting)
+  const Sending from = is_root ? sending(rows, x, *own, counting)
                                : Sending{static_cast<const char*>(x.untyped_data()), {}};
   std::vector<char> scratch;
   char* into = rows.destination(received, scratch);
@@ -727,7 +755,7 @@ ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut
   });
   JAXCOMM_CHECK_MPI(code, call.operation(), rows.comm());
   rows.settle(into, received, count_out);
-  auto error = rows.outcome(own[0], pads(own[0], counting), received);
+  auto error = rows.outcome(*own, pads(*own, counting), received);
   return defer ? ffi::Error::Success() : std::move(error);
 }
 

@@ -128,9 +128,10 @@ def test_counts_beyond_int32_are_refused_not_wrapped(comm, mode, value):
 
 
 @pytest.mark.parametrize("derivative", ["jvp", "grad", "jit(grad)"])
-@pytest.mark.parametrize("form", ["alltoallv", "gatherv", "scatterv"])
+@pytest.mark.parametrize("form", ["alltoallv", "gatherv", "scatterv", "allgatherv"])
 def test_derivative_of_an_overflow_on_one_rank(comm, derivative, form):
-    """The rank that overflows raises; the others get their derivatives."""
+    """The rank that overflows raises; the others get their derivatives (for
+    allgatherv, whose result is one value, every rank raises)."""
     if comm.size < 2:
         pytest.skip("needs a rank that does not overflow")
     culprit = 0 if form == "gatherv" else comm.size - 1  # gatherv: only the root receives
@@ -140,6 +141,10 @@ def test_derivative_of_an_overflow_on_one_rank(comm, derivative, form):
         capacity = capacity_for(comm.size, uniform) - (3 if short else 0)
         x = jnp.asarray(rows_of(comm.rank, counts))
         fn = lambda x: comm.alltoallv(x, np.array(counts), capacity=capacity)[0]  # noqa: E731
+    elif form == "allgatherv":
+        capacity = 2 * comm.size - (1 if short else 0)
+        x = jnp.asarray(rank_data(comm.rank, (2, 2)))
+        fn = lambda x: comm.allgatherv(x, capacity=capacity)[0]  # noqa: E731
     elif form == "gatherv":
         capacity = 2 * comm.size - 1
         x = jnp.asarray(rank_data(comm.rank, (2, 2)))
@@ -156,7 +161,7 @@ def test_derivative_of_an_overflow_on_one_rank(comm, derivative, form):
         "grad": lambda: jax.grad(loss)(x),
         "jit(grad)": lambda: jax.jit(jax.grad(loss))(x),
     }
-    if short:
+    if short or form == "allgatherv":
         with pytest.raises(Exception, match=r"capacity=|add up to more than x"):
             jax.block_until_ready(calls[derivative]())
     else:
