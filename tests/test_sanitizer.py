@@ -83,13 +83,15 @@ def sanitized(tmp_path_factory) -> Path:
     return package
 
 
-def reports(logs: Path) -> str:
-    """The sanitizers' reports, with C++'s template names cut to fit a line."""
-    texts = []
+def reports(logs: Path) -> tuple[str, str]:
+    """The sanitizers' summary lines, and their reports with C++'s template names
+    cut to fit a line."""
+    summaries, texts = [], []
     for log in sorted(logs.iterdir()):
-        lines = log.read_text(errors="replace").splitlines()[:60]
-        texts.append(f"--- {log.name}\n" + "\n".join(line[:240] for line in lines))
-    return "\n".join(texts)
+        lines = log.read_text(errors="replace").splitlines()
+        summaries += [line for line in lines if line.startswith("SUMMARY: ")]
+        texts.append(f"--- {log.name}\n" + "\n".join(line[:240] for line in lines[:60]))
+    return "; ".join(summaries), "\n".join(texts)
 
 
 @pytest.mark.matrix
@@ -107,8 +109,8 @@ def test_mpi_suite_under_address_and_undefined_behaviour_sanitizers(sanitized, t
     args += ["-m", "not slow", "-k", SELECTED]
     result = run(2, args, timeout=1800, env={"JAXCOMM_TEST_RANKS": "2", **env})
     print("sanitized:", re.findall(r"\d+ passed[\w ,]* in [\d.]+s", result.stdout))
-    found = reports(tmp_path)
-    assert not found, f"{failure_summary(result)}; the sanitizers report:\n{found}"
+    summary, found = reports(tmp_path)
+    assert not found, f"{summary or failure_summary(result)}\n{found}"
     assert result.returncode == 0, (
         f"{failure_summary(result)}\n{result.stdout[-20000:]}{result.stderr[-5000:]}"
     )
