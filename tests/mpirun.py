@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -66,3 +67,10 @@ def rank_outputs(
         result = run(nprocs, [wrapper, out, script, *args], timeout=timeout, env=env)
         assert result.returncode == 0, result.stdout + result.stderr
         return [(Path(out) / f"rank-{r}.txt").read_text() for r in range(nprocs)]
+
+
+def failure_summary(result: subprocess.CompletedProcess) -> str:
+    """One line naming what ended a run of tests/mpi: each rank's failed or timed-out
+    test (tests/mpi/conftest.py prints them to stderr), else mpiexec's exit status."""
+    found = re.findall(r"rank \d+: \S+ (?:failed|timed out after [\d.]+ s)", result.stderr)
+    return "; ".join(sorted(set(found))) or f"mpiexec exited with {result.returncode}"

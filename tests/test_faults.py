@@ -3,10 +3,13 @@ hang watchdog, and an exception on one rank. Each runs a small program under
 mpiexec with a timeout, so a hang fails the test instead of stalling the suite."""
 
 import re
+import shutil
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
-from mpirun import rank_outputs, run
+from mpirun import failure_summary, rank_outputs, run
 
 TIMEOUT = 120
 
@@ -299,3 +302,28 @@ def test_environment_variables_mean_what_they_say(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "False", "False", "2.5", "jit"]
     assert "jaxcomm[" not in result.stderr  # no debug log
+
+
+def test_a_test_past_its_time_limit_is_named_with_its_rank_and_stacks(tmp_path):
+    """tests/mpi/conftest.py's per-test limit: the rank that runs out of time writes
+    the test's name, its rank and every thread's stack to mpiexec's stderr, where
+    test_mpiexec.py's failure message shows them, and mpiexec ends the job."""
+    tests = Path(__file__).parent
+    shutil.copy(tests / "mpi" / "conftest.py", tmp_path)
+    inner = shutil.copy(tests / "programs" / "sleeps_past_the_limit.py", tmp_path)
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={tmp_path}", inner]
+    started = time.monotonic()
+    result = run(2, args, TIMEOUT, env={"JAXCOMM_TEST_TIMEOUT": "2"})
+    assert result.returncode != 0
+    assert time.monotonic() - started < TIMEOUT / 2  # not the 120 s sleep
+    test = "sleeps_past_the_limit.py::test_rank_0_sleeps_past_the_limit"
+    summary = failure_summary(result)
+    assert re.fullmatch(rf"rank [01]: {test} timed out after 2 s(; rank 1: .*)?", summary), (
+        summary + result.stderr
+    )
+    # All threads' stacks: the watchdog's own, and the test's, in its sleep or barrier.
+    assert re.search(r"Thread 0x[0-9a-f]+ \(most recent call first\)", result.stderr)
+    assert re.search(r"line \d+ in watch\n", result.stderr), result.stderr
+    assert re.search(
+        r'sleeps_past_the_limit.py", line \d+ in test_rank_0_sleeps_past_the_limit', result.stderr
+    ), result.stderr

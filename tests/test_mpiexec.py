@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from mpirun import mpiexec, run
+from mpirun import failure_summary, mpiexec, run
 
 HERE = Path(__file__).parent
 
@@ -37,9 +37,8 @@ def run_suite(nprocs: int, tests: str, marks: str, env: dict[str, str] | None = 
     summaries = re.findall(r"\d+ passed[\w ,]* in [\d.]+s", result.stdout)
     print(f"{nprocs} ranks:", summaries)
     # The first line of the message is what pytest's summary shows: the inner test
-    # and the rank that failed it (tests/mpi/conftest.py prints them).
-    failed = sorted(set(re.findall(r"rank \d+: \S+ failed", result.stderr)))
-    first_line = "; ".join(failed) or f"mpiexec exited with {result.returncode}"
+    # and the rank that failed it or ran out of time.
+    first_line = failure_summary(result)
     assert result.returncode == 0, f"{first_line}\n{result.stdout[-20000:]}{result.stderr[-5000:]}"
     assert len(summaries) == nprocs, result.stdout[-5000:]
     assert not re.search(r"\d+ (failed|error)", result.stdout), result.stdout[-5000:]

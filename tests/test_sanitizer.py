@@ -1,0 +1,119 @@
+"""The per-rank suite on 2 ranks with jaxcomm's C++ built with AddressSanitizer and
+UndefinedBehaviorSanitizer (CMake option JAXCOMM_SANITIZE, see CONTRIBUTING.md):
+a write out of bounds, a use after free or undefined behaviour ends the run with
+the sanitizer's report, where a plain build may pass over it or crash elsewhere."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mpirun import failure_summary, run
+
+HERE = Path(__file__).parent
+
+# Every C++ family's tests, and the generated misuse. test_autodiff.py and
+# test_vmap.py make the same C++ calls through transformations and take most of
+# the suite's time under ASan (11 of 17 minutes on 2 ranks, file by file), and
+# test_sizes.py repeats the collectives at more sizes: only the replication check
+# of checking mode (cpp/replicated.cc) is taken from them.
+FILES = [
+    "test_checking.py",
+    "test_collectives.py",
+    "test_comm.py",
+    "test_counts.py",
+    "test_eager.py",
+    "test_errors.py",
+    "test_graph.py",
+    "test_in_place.py",
+    "test_misuse.py",
+    "test_nonblocking.py",
+    "test_ordering.py",
+    "test_p2p.py",
+    "test_properties.py",
+    "test_reductions.py",
+    "test_request_safety.py",
+    "test_topology.py",
+    "test_variable_size.py",
+    "test_autodiff.py",
+]
+SELECTED = (
+    "(not test_autodiff.py or replicat)"
+    # It measures resident memory, which ASan's quarantine of freed blocks grows.
+    " and not test_ten_thousand_small_ops_do_not_grow_memory"
+)
+
+
+def runtime_library(name: str) -> str:
+    """The compiler's copy of a runtime library, as CMake's default compiler sees it."""
+    compiler = os.environ.get("CXX", "c++")
+    path = subprocess.run(
+        [compiler, f"-print-file-name={name}"], capture_output=True, text=True
+    ).stdout.strip()
+    if not Path(path).is_absolute():
+        pytest.fail(f"{compiler} has no {name}: the sanitizer build needs GCC's runtime")
+    return path
+
+
+def sanitizer_environment(package: Path, logs: Path) -> dict[str, str]:
+    """What a rank needs to import the sanitized extension (CONTRIBUTING.md says why)."""
+    preload = [runtime_library("libasan.so"), runtime_library("libstdc++.so")]
+    return {
+        "LD_PRELOAD": " ".join(preload),
+        "ASAN_OPTIONS": f"detect_leaks=0:log_path={logs}/asan",
+        "UBSAN_OPTIONS": f"halt_on_error=1:print_stacktrace=1:log_path={logs}/ubsan",
+        "PYTHONPATH": f"{package}{os.pathsep}{HERE}",
+    }
+
+
+@pytest.fixture(scope="module")
+def sanitized(tmp_path_factory) -> Path:
+    """A sanitized jaxcomm installed alone into a folder that goes first on
+    PYTHONPATH, built with this environment's CMake, nanobind and jaxlib."""
+    package = tmp_path_factory.mktemp("sanitized")
+    build = tmp_path_factory.mktemp("sanitized-build")
+    command = [
+        *(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"),
+        *("--target", str(package), f"-Cbuild-dir={build}"),
+        # nanobind strips Release modules unless told not to; the install step too.
+        *("-Ccmake.define.JAXCOMM_SANITIZE=ON", "-Cinstall.strip=false"),
+        str(HERE.parent),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return package
+
+
+def reports(logs: Path) -> tuple[str, str]:
+    """The sanitizers' summary lines, and their reports with C++'s template names
+    cut to fit a line."""
+    summaries, texts = [], []
+    for log in sorted(logs.iterdir()):
+        lines = log.read_text(errors="replace").splitlines()
+        summaries += [line for line in lines if line.startswith("SUMMARY: ")]
+        texts.append(f"--- {log.name}\n" + "\n".join(line[:240] for line in lines[:60]))
+    return "; ".join(summaries), "\n".join(texts)
+
+
+@pytest.mark.matrix
+def test_mpi_suite_under_address_and_undefined_behaviour_sanitizers(sanitized, tmp_path):
+    env = sanitizer_environment(sanitized, tmp_path)
+    # The ranks import the sanitized copy, with the runtime loaded.
+    probe = "import jaxcomm._native, pathlib; print(pathlib.Path('/proc/self/maps').read_text())"
+    loaded = run(1, ["-c", probe], timeout=300, env=env)
+    assert loaded.returncode == 0, loaded.stderr
+    assert f"{sanitized}/jaxcomm/_jaxcomm_cpu" in loaded.stdout
+    assert "libasan.so" in loaded.stdout
+
+    tests = [str(HERE / "mpi" / name) for name in FILES]
+    args = ["-m", "pytest", *tests, "-q", "-x", "-p", "no:cacheprovider", "--color=no"]
+    args += ["-m", "not slow", "-k", SELECTED]
+    result = run(2, args, timeout=1800, env={"JAXCOMM_TEST_RANKS": "2", **env})
+    print("sanitized:", re.findall(r"\d+ passed[\w ,]* in [\d.]+s", result.stdout))
+    summary, found = reports(tmp_path)
+    assert not found, f"{summary or failure_summary(result)}\n{found}"
+    assert result.returncode == 0, (
+        f"{failure_summary(result)}\n{result.stdout[-20000:]}{result.stderr[-5000:]}"
+    )
