@@ -146,17 +146,12 @@ class Blocks {
   }
   bool packed() const { return counts_.members() > 1; }
 
-  // Copies the blocks out of `members` of `member_rows` rows each (of which only
-  // the first `available` hold data; zeros stand for the others) into `out`, peer
-  // after peer.
-  void pack(const char* members, int64_t member_rows, int64_t available, int64_t row_bytes,
-            char* out) const {
+  // Copies the blocks out of `members` of `member_rows` rows each into `out`,
+  // peer after peer.
+  void pack(const char* members, int64_t member_rows, int64_t row_bytes, char* out) const {
     each_block([&](int64_t b, int64_t at, int64_t rows) {
-      const int64_t have = std::clamp<int64_t>(available - at, 0, rows);
-      const char* from = members + (b * member_rows + at) * row_bytes;
-      memory().copy(out, from, static_cast<size_t>(have * row_bytes));
-      static const char nothing = 0;
-      memory().fill(out + have * row_bytes, &nothing, 1, (rows - have) * row_bytes);
+      memory().copy(out, members + (b * member_rows + at) * row_bytes,
+                    static_cast<size_t>(rows * row_bytes));
       out += rows * row_bytes;
     });
   }
@@ -292,9 +287,9 @@ class Rows {
 
   // Checking mode: whether any rank's given counts differ from what the others
   // send it, learnt by every rank before the exchange could wait for rows that
-  // never come. `given` (the argument `name`) and `sent` describe this rank's
-  // for the error.
-  ffi::Error agree(bool differ, const char* name, std::span<const int> given,
+  // never come. `given` (the argument `name`: "recv_counts=[1, 2]") and `sent`
+  // describe this rank's for the error.
+  ffi::Error agree(bool differ, const char* name, const std::string& given,
                    std::span<const int> sent) {
     int any = differ ? 1 : 0;
     JAXCOMM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &any, 1, MPI_INT, MPI_MAX, comm_),
@@ -304,8 +299,7 @@ class Rows {
         ffi::ErrorCode::kFailedPrecondition,
         "jaxcomm check: " + std::string(call_.operation()) + " on rank " +
             std::to_string(comm_rank(comm_)) +
-            (differ ? ": " + std::string(name) + "=" + counts_text(given) + " but the ranks send " +
-                          counts_text(sent)
+            (differ ? ": " + given + " but the ranks send " + counts_text(sent)
                     : ": another rank's " + std::string(name) + " differ from what is sent"));
   }
 
@@ -335,22 +329,26 @@ class Rows {
   // none, or zeros in place of rows it lacks), invalid given counts (it kept no
   // rows), or more rows than capacity (it kept none).
   ffi::Error outcome(const Counts& sent, bool padded, const Counts& received) const {
+    if (padded)  // an adjoint's: what the exchange it reverses said
+      return overflow(sent.asked(), capacity_);
     if (!sent.valid())
-      return invalid_argument(call_.operation(),
-                              sent.error() + (padded ? " (this rank sent zeros in place of the "
-                                                       "rows it lacks)"
-                                                     : " (this rank sent no rows)"));
+      return invalid_argument(call_.operation(), sent.error() + " (this rank sent no rows)");
     if (!received.valid())  // mirrored counts (received_counts)
       return invalid_argument(call_.operation(), received.error() + " (this rank sent no rows)");
-    if (!fits(received)) {
-      std::string what = "the counts received " + counts_text(received.values()) + " add up to " +
-                         std::to_string(received.most()) + " rows";
-      if (members_ > 1) what += " in a batch member";
-      return invalid_argument(
-          call_.operation(),
-          what + ", more than capacity=" + std::to_string(capacity_) + " (the rows were not kept)");
-    }
+    if (!fits(received)) return overflow(received.values(), capacity_);
     return ffi::Error::Success();
+  }
+
+  // The error of rows arriving for `capacity`, `received` of them from each peer.
+  ffi::Error overflow(std::span<const int> received, int64_t capacity) const {
+    const Counts counts =
+        Counts::view(received, members_, static_cast<int64_t>(received.size()) / members_);
+    std::string what = "the counts received " + counts_text(received) + " add up to " +
+                       std::to_string(counts.most()) + " rows";
+    if (members_ > 1) what += " in a batch member";
+    return invalid_argument(
+        call_.operation(),
+        what + ", more than capacity=" + std::to_string(capacity) + " (the rows were not kept)");
   }
 
  private:
@@ -386,16 +384,16 @@ void write_counts(Result& counts_out, const Counts& counts) {
 }
 
 // Whether a rank whose counts were refused for adding up to more rows than x has
-// sends its rows and zeros in place of the rest: in an adjoint's exchange, where
-// it sends back the rows it received before, more than its capacity (an
-// overflow, which it reported), and its peers wait for as many.
+// sends zeros in their place: in an adjoint's exchange, where it sends back the
+// rows it received before, more than its capacity (an overflow, which it
+// reported, keeping none: so their cotangents are zeros), and its peers wait for
+// as many.
 bool pads(const Counts& sent, int32_t counting) {
   return !sent.valid() && counting == kReversed && !sent.asked().empty();
 }
 
 // What this rank sends: x's rows as MPI takes them (in place for one member whose
-// counts are valid; else packed, with zeros where a refused count asked for rows
-// that x lacks and the peers were given the counts).
+// counts are valid; packed for several), or the zeros that pads() sends.
 struct Sending {
   const char* data;
   std::vector<char> packed;
@@ -403,12 +401,15 @@ struct Sending {
 
 Sending sending(const Rows& rows, const Buffer& x, const Counts& sent, int32_t counting) {
   const auto* data = static_cast<const char*>(x.untyped_data());
-  const bool pad = pads(sent, counting);
-  if (!pad && !Blocks(sent).packed()) return {data, {}};
-  const Counts counts =
-      Counts::view(pad ? sent.asked() : sent.values(), sent.members(), sent.per_member());
-  Sending s{nullptr, std::vector<char>(static_cast<size_t>(counts.total() * rows.row_bytes()))};
-  Blocks(counts).pack(data, rows.rows(), rows.rows(), rows.row_bytes(), s.packed.data());
+  if (pads(sent, counting)) {
+    const Counts asked = Counts::view(sent.asked(), sent.members(), sent.per_member());
+    Sending s{nullptr, std::vector<char>(static_cast<size_t>(asked.total() * rows.row_bytes()))};
+    s.data = s.packed.data();
+    return s;
+  }
+  if (!Blocks(sent).packed()) return {data, {}};
+  Sending s{nullptr, std::vector<char>(static_cast<size_t>(sent.total() * rows.row_bytes()))};
+  Blocks(sent).pack(data, rows.rows(), rows.row_bytes(), s.packed.data());
   s.data = s.packed.data();
   return s;
 }
@@ -439,8 +440,11 @@ ffi::Error received_counts(Rows& rows, int32_t counting, bool check, const Buffe
   if (counting == kReversed) counts.within(rows.capacity());
   if (mirrors(counting)) return ffi::Error::Success();
   if (check)
-    if (auto err = rows.agree(!counts.valid() || !std::ranges::equal(counts.values(), exchanged),
-                              name, counts.values(), exchanged);
+    if (auto err =
+            rows.agree(!counts.valid() || !std::ranges::equal(counts.values(), exchanged), name,
+                       counts.valid() ? std::string(name) + "=" + counts_text(counts.values())
+                                      : counts.error(),
+                       exchanged);
         err.failure())
       return err;
   if (!counts.valid())
@@ -535,7 +539,7 @@ ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, T
 // took part in. A batch's rows arrive packed and go to their members at the wait.
 ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
                       Result out, Result request, Result /*keep*/, Result recv_counts,
-                      int64_t comm_key, bool check, int32_t counting) {
+                      int64_t comm_key, bool check, int32_t counting, int32_t defer) {
   Call call(comm_key, check);
   const bool exchange = counting == kExchanged;
   Rows rows(call, x, out, batch_of(send_counts, 1), exchange, "recv_counts");
@@ -562,11 +566,11 @@ ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, 
   pending.finish = [result, into, direct, capacity = rows.capacity(), row_bytes = rows.row_bytes(),
                     members = rows.members(), per_member = received.per_member(),
                     values = std::vector<int>(received.values().begin(), received.values().end()),
-                    error = rows.outcome(*own, pads(*own, counting), received)](
-                       Call&, const MPI_Status*, int32_t*) mutable {
+                    error = rows.outcome(*own, pads(*own, counting), received),
+                    defer](Call&, const MPI_Status*, int32_t*) mutable {
     if (!direct)
       place(result, into, Counts(std::move(values), members, per_member), capacity, row_bytes);
-    return std::move(error);
+    return defer ? ffi::Error::Success() : std::move(error);
   };
   Blocks out_blocks(sent), in_blocks(received);
   const int code = rows.in_units([&]<typename C>(C) {
@@ -659,7 +663,7 @@ ffi::Error gather_rows(Call& call, const Buffer& x, const Buffer& count, const B
     std::vector<int> mine(static_cast<size_t>(members * size), 0);
     for (int64_t b = 0; b < members; ++b) mine[b * size + rank] = sent.member(b)[0];
     if (check && counting == kGiven)  // as received_counts on the root
-      if (auto err = rows.agree(false, "counts", {}, {}); err.failure()) return err;
+      if (auto err = rows.agree(false, "counts", "", {}); err.failure()) return err;
     counts.emplace(std::move(mine), members, size);
   }
   const Counts& received = *counts;

@@ -47,7 +47,7 @@ ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut
 // recv_counts are known, and returned, at the post.
 ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
                       Result out, Result request, Result keep, Result recv_counts, int64_t comm,
-                      bool check, int32_t exchange);
+                      bool check, int32_t exchange, int32_t defer);
 
 }  // namespace mpi
 }  // namespace jaxcomm
@@ -68,6 +68,6 @@ ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, 
 #define JAXCOMM_VARIABLE_SIZE_STARTS(X, base, A)                               \
   X(ialltoallv, Ialltoallv,                                                    \
     (variable_size<mpi::Buffer, mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)), \
-    A(int32_t, exchange))
+    A(int32_t, exchange) A(int32_t, defer))
 
 #endif  // JAXCOMM_VARIABLE_SIZE_H_

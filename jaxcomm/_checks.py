@@ -85,16 +85,21 @@ def capacity(operation: str, name: str, value: Any, size: int) -> int:
     return rows
 
 
-def _integers(value: Any) -> np.ndarray:
-    """value as a NumPy array; Python ints as int64, or uint64 where they need it
-    (NumPy would make [1, 2**64 - 1] floats)."""
-    if isinstance(value, int | list | tuple) and not isinstance(value, bool):
+def _integers(value: Any) -> Any:
+    """value as an array: Python ints as int64, or uint64 where they need it (NumPy
+    would make [1, 2**64 - 1] floats); a list holding traced values as one."""
+    if isinstance(value, list | tuple) and any(isinstance(v, jax.Array) for v in value):
+        return jnp.stack([jnp.asarray(v) for v in value])
+    array = np.asarray(value)
+    if array.dtype.kind in "fO" and all(type(v) is int for v in np.ravel(np.array(value, object))):
         for dtype in (np.int64, np.uint64):
             try:
                 return np.array(value, dtype)
-            except (OverflowError, TypeError, ValueError):
+            except OverflowError:
                 continue
-    return np.asarray(value)
+    if array.dtype.kind in "iu" and not array.dtype.isnative:  # big-endian: read natively
+        array = array.astype(array.dtype.newbyteorder("="))
+    return array
 
 
 def counts(operation: str, name: str, value: Any, size: int | None) -> Any:

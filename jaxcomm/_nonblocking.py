@@ -300,10 +300,15 @@ def _start_jvp(operation):
         (x, *counts), (t, *_) = primals, tangents
         if differentiable(x):
             _p2p.refuse_derivative_of_reply(operation, params, "differentiating")
-        outs = op.start.bind(x, *counts, **params)
-        zeros = [zero_tangent(v) for v in outs]
         if not differentiable(x):
-            return outs, zeros
+            outs = op.start.bind(x, *counts, **params)
+            return outs, [zero_tangent(v) for v in outs]
+        # A variable-size primal leaves its error to the tangent's (see
+        # _variable_size's JVP rules): a rank that fails takes part in both.
+        outs = op.start.bind(
+            x, *counts, **({**params, "defer": True} if op.kind.counts else params)
+        )
+        zeros = [zero_tangent(v) for v in outs]
         if op.kind.counts:  # the tangent's rows travel as x's, to counts now known
             dots = op.start.bind(
                 instantiate(t),
@@ -422,7 +427,9 @@ ADJOINTS: dict[str, Adjoint] = {
     "isend": Adjoint("irecv", params=_from_dest),
     "irecv": Adjoint("isend", params=_reply),
     # Back to the senders, with the counts swapped, into x's rows.
-    "ialltoallv": Adjoint("ialltoallv", params=lambda **_: {"exchange": _variable_size.REVERSED}),
+    "ialltoallv": Adjoint(
+        "ialltoallv", params=lambda **_: {"exchange": _variable_size.REVERSED, "defer": False}
+    ),
 }
 
 

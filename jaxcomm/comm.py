@@ -390,7 +390,7 @@ class JaxComm:
     ) -> Request:
         """Post a variable-size exchange (ialltoallv), checked as its blocking twin."""
         send_and_recv, exchange = _alltoallv_counts(self.size, send_counts, recv_counts)
-        params: dict[str, Any] = {"capacity": capacity, "exchange": exchange}
+        params: dict[str, Any] = {"capacity": capacity, "exchange": exchange, "defer": False}
         x, *operands = self._rows_operands(operation, x, send_and_recv, params)
         return _requests.post_rows(operation, x, operands, self._comm, params)
 
@@ -444,6 +444,8 @@ class JaxComm:
         ``(capacity, *s)`` holds this rank's rows, then zeros; count (int32) how
         many. More rows than ``capacity`` is an error on that rank.
         """
+        if counts is None and self.rank == root:
+            raise ValueError(f"scatterv: the root (rank {root}) must pass counts, not None")
         sending = _no_counts(self.size) if counts is None else counts
         return self._variable_size(
             _variable_size.scatterv_p,

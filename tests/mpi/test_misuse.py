@@ -58,9 +58,12 @@ SETTINGS = settings(
 
 class Refused(NamedTuple):
     """A rank raises, and the message names one of `reasons`: (argument, the value
-    passed, or None where the argument's name is enough)."""
+    passed, or None where the argument's name is enough). `kept`: what it received
+    all the same (a rank that refused only what it sends), whose cotangents a
+    derivative still sends back; None where it kept nothing."""
 
     reasons: tuple[tuple[str, Any], ...]
+    kept: tuple | None = None
 
 
 def refusal(name: str, counts, rows: int):
@@ -96,10 +99,9 @@ def alltoallv_reference(xs, send, capacity, recv_refused):
             why[r].append(("capacity", capacity[r]))
         starts = [sum(sent[s][:r]) for s in range(size)]
         pieces = [xs[s][starts[s] : starts[s] + got[s]] for s in range(size)]
-        if why[r]:
-            out.append(Refused(tuple(why[r])))
-        else:
-            out.append((padded(pieces, capacity[r], xs[r]), np.array(got, np.int32)))
+        overflow = sum(got) > capacity[r]
+        result = None if overflow else (padded(pieces, capacity[r], xs[r]), np.array(got, np.int32))
+        out.append(Refused(tuple(why[r]), result) if why[r] else result)
     return out
 
 
@@ -110,17 +112,24 @@ def allgatherv_reference(xs, count, capacity, everyone=True):
     count = [len(xs[r]) if count[r] is None else count[r] for r in range(size)]
     why = [[w for w in [refusal("count", [count[r]], len(xs[r]))] if w] for r in range(size)]
     sent = [0 if why[r] else count[r] for r in range(size)]
-    if everyone and any(why):  # the replicated result lacks a rank's rows: all raise
+    # The replicated result lacks a rank's rows, or exceeds a rank's capacity:
+    # every rank raises.
+    if everyone and any(why):
         why = [w or [("count", None)] for w in why]
+    if everyone and any(sum(sent) > c for c in capacity):
+        why = [w or [("capacity", None)] for w in why]
     out = []
     for r in range(size):
-        if sum(sent) > capacity[r]:
+        overflow = sum(sent) > capacity[r]
+        if overflow:
             why[r].append(("capacity", capacity[r]))
-        if why[r]:
-            out.append(Refused(tuple(why[r])))
-        else:
-            y = padded([xs[s][: sent[s]] for s in range(size)], capacity[r], xs[r])
-            out.append((y, np.array(sent, np.int32)))
+        y = (
+            None
+            if overflow
+            else padded([xs[s][: sent[s]] for s in range(size)], capacity[r], xs[r])
+        )
+        result = None if overflow else (y, np.array(sent, np.int32))
+        out.append(Refused(tuple(why[r]), result) if why[r] else result)
     return out
 
 
@@ -177,7 +186,9 @@ def gradient_reference(xs, outs, weights, own_only=False):
             where[x[index]] = (r, index)
     for d, out in enumerate(outs):
         if isinstance(out, Refused):
-            continue
+            if out.kept is None:
+                continue
+            out = out.kept
         for index in np.ndindex(out[0].shape):
             label = out[0][index]
             if label:
