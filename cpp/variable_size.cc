@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "call.h"
+#include "collectives.h"
 #include "counts.h"
 #include "datatypes.h"
 #include "jaxcomm/jaxcomm.h"
@@ -87,6 +88,9 @@ struct Functions<IntCounts> {
   static constexpr auto allgatherv = &MPI_Allgatherv;
   static constexpr auto gatherv = &MPI_Gatherv;
   static constexpr auto scatterv = &MPI_Scatterv;
+  static constexpr auto neighbor_alltoallv = &MPI_Neighbor_alltoallv;
+  static constexpr auto ineighbor_alltoallv = &MPI_Ineighbor_alltoallv;
+  static constexpr auto neighbor_allgatherv = &MPI_Neighbor_allgatherv;
 };
 
 #if JAXCOMM_LARGE_COUNTS
@@ -97,6 +101,9 @@ struct Functions<LargeCounts> {
   static constexpr auto allgatherv = &MPI_Allgatherv_c;
   static constexpr auto gatherv = &MPI_Gatherv_c;
   static constexpr auto scatterv = &MPI_Scatterv_c;
+  static constexpr auto neighbor_alltoallv = &MPI_Neighbor_alltoallv_c;
+  static constexpr auto ineighbor_alltoallv = &MPI_Ineighbor_alltoallv_c;
+  static constexpr auto neighbor_allgatherv = &MPI_Neighbor_allgatherv_c;
 };
 #endif
 
@@ -180,6 +187,56 @@ class Blocks {
 
   const Counts& counts_;
   std::vector<int64_t> per_peer_;
+};
+
+// Whom a rank exchanges rows with: every rank of the communicator, or (the
+// neighbour exchanges, MPI_Neighbor_*) the sources and destinations of a graph
+// or grid in MPI's order, as many as it has. Counts are one per peer of each
+// member, and the count exchanges send each peer its counts of every member
+// together.
+class Peers {
+ public:
+  // An error naming the operation if `neighbors` and comm has no topology.
+  static ffi::Error of(MPI_Comm comm, bool neighbors, std::string_view operation, Peers* found) {
+    found->neighbors_ = neighbors;
+    if (neighbors) return neighborhood(comm, operation, &found->hood_);
+    found->hood_.sources = found->hood_.destinations = comm_size(comm);
+    return ffi::Error::Success();
+  }
+  bool neighbors() const { return neighbors_; }
+  int sources() const { return hood_.sources; }
+  int destinations() const { return hood_.destinations; }
+
+  // `n` ints to each destination from `out`, n from each source into `in`
+  // (MPI_Alltoall, MPI_Neighbor_alltoall). From beyond a grid's edge nothing
+  // arrives: `in` keeps its zeros there.
+  int alltoall(const int* out, int* in, int n, MPI_Comm comm) const {
+    return neighbors_ ? MPI_Neighbor_alltoall(out, n, MPI_INT, in, n, MPI_INT, comm)
+                      : MPI_Alltoall(out, n, MPI_INT, in, n, MPI_INT, comm);
+  }
+  // The same `n` ints to every destination (MPI_Allgather, MPI_Neighbor_allgather).
+  int allgather(const int* mine, int* in, int n, MPI_Comm comm) const {
+    return neighbors_ ? MPI_Neighbor_allgather(mine, n, MPI_INT, in, n, MPI_INT, comm)
+                      : MPI_Allgather(mine, n, MPI_INT, in, n, MPI_INT, comm);
+  }
+
+  // Zeros where the rows of a source beyond a grid's edge (MPI_PROC_NULL) go:
+  // MPI keeps their place in the layout but writes nothing there. `rows`: how
+  // many each source's place holds, in order, at `into`.
+  template <typename T>
+  void zero_missing(char* into, std::span<const T> rows, int64_t row_bytes) const {
+    static const char nothing = 0;
+    int64_t at = 0;
+    for (size_t k = 0; k < rows.size(); ++k) {
+      if (k < hood_.grid.size() && hood_.grid[k] == MPI_PROC_NULL)
+        memory().fill(into + at * row_bytes, &nothing, 1, rows[k] * row_bytes);
+      at += rows[k];
+    }
+  }
+
+ private:
+  bool neighbors_ = false;
+  Neighborhood hood_;
 };
 
 // x's rows: how many each member has, the unit in which MPI counts them (fit),
@@ -454,37 +511,35 @@ ffi::Error received_counts(Rows& rows, int32_t counting, bool check, const Buffe
   return ffi::Error::Success();
 }
 
-// alltoallv's counts: this rank's own (refused, and so none, if invalid) and
-// those it receives, given or exchanged.
-ffi::Error alltoallv_counts(Call& call, Rows& rows, const Buffer& send_counts,
+// alltoallv's counts: this rank's own (refused, and so none, if invalid), one
+// per destination, and those it receives, one per source, given or exchanged.
+ffi::Error alltoallv_counts(Call& call, Rows& rows, const Peers& peers, const Buffer& send_counts,
                             const Buffer& given_counts, int32_t counting, bool check,
                             std::optional<Counts>& own, std::optional<Counts>& received) {
   const bool exchange = counting == kExchanged;
   MPI_Comm comm = rows.comm();
-  const int size = comm_size(comm);
   const int64_t members = rows.members();
-  Counts& sent = own.emplace(send_counts, "send_counts", members, size);
+  Counts& sent = own.emplace(send_counts, "send_counts", members, peers.destinations());
   sent.within(rows.rows());
-  std::vector<int> exchanged(sent.values().size(), 0);
+  std::vector<int> exchanged(static_cast<size_t>(members * peers.sources()), 0);
   if (exchange || check) {
-    // Each peer gets its counts of every member together.
+    // Each peer gets its counts of every member together. (Never empty: MPI may
+    // refuse a null buffer even where no peer reads it.)
     std::vector<int> storage;
-    const auto out = transposed(sent_counts(sent, counting).values(), members, size, storage);
-    // One member's counts arrive in place; a batch's are transposed back.
-    std::vector<int> in(members > 1 ? out.size() : 0);
-    int* into = members > 1 ? in.data() : exchanged.data();
-    JAXCOMM_CHECK_MPI(MPI_Alltoall(out.data(), static_cast<int>(members), MPI_INT, into,
-                                   static_cast<int>(members), MPI_INT, comm),
+    const auto out =
+        transposed(sent_counts(sent, counting).values(), members, peers.destinations(), storage);
+    std::vector<int> sending(out.begin(), out.end()), in(exchanged.size() + 1, 0);
+    sending.push_back(0);
+    JAXCOMM_CHECK_MPI(peers.alltoall(sending.data(), in.data(), static_cast<int>(members), comm),
                       call.operation(), comm);
-    if (members > 1) {
-      const auto back = transposed(in, size, members, storage);
-      exchanged.assign(back.begin(), back.end());
-    }
+    in.pop_back();
+    const auto back = transposed(in, peers.sources(), members, storage);
+    exchanged.assign(back.begin(), back.end());
   }
   // An adjoint's recv_counts are the send_counts of the exchange it reverses.
   const char* given_name = counting == kReversed ? "send_counts" : "recv_counts";
   if (auto err = received_counts(rows, counting, check, given_counts, given_name,
-                                 std::move(exchanged), size, received);
+                                 std::move(exchanged), peers.sources(), received);
       err.failure())
     return err;
   return rows.fit(sent_counts(sent, counting).total(), received->total());
@@ -496,18 +551,38 @@ const T* owned(Pending& pending, const std::vector<T>& values) {
   return reinterpret_cast<const T*>(pending.own_copy(values.data(), values.size() * sizeof(T)));
 }
 
-}  // namespace
+// Counts of rows per peer in the unit of `rows.fit`: a batch's per peer (all
+// members together, as they travel), or the one member's.
+template <typename C>
+C per_peer(const Rows& rows, const Counts& counts, Blocks& blocks) {
+  return counts.members() > 1 ? rows.counted<C>(blocks.per_peer())
+                              : rows.counted<C>(counts.member(0));
+}
 
-ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut, Result out,
-                     Result recv_counts, int64_t comm_key, bool check, int32_t counting,
-                     int32_t defer) {
+// Zeros where rows from beyond a grid's edge would arrive at `into`.
+void zero_missing(const Peers& peers, const Rows& rows, const Counts& received, Blocks& blocks,
+                  char* into) {
+  if (received.members() > 1)
+    peers.zero_missing(into, blocks.per_peer(), rows.row_bytes());
+  else
+    peers.zero_missing(into, received.member(0), rows.row_bytes());
+}
+
+// alltoallv and neighbor_alltoallv: send_counts[j] rows to destination j, of
+// every rank (neighbors false) or of the graph's or grid's.
+ffi::Error exchange_rows(bool neighbors, const Buffer& x, const Buffer& send_counts,
+                         const Buffer& given_counts, Result& out, Result& recv_counts,
+                         int64_t comm_key, bool check, int32_t counting, int32_t defer) {
   Call call(comm_key, check);
   const bool exchange = counting == kExchanged;
   Rows rows(call, x, out, batch_of(send_counts, 1), exchange, "recv_counts");
   if (auto err = rows.take_error(); err.failure()) return err;
+  Peers peers;
+  if (auto err = Peers::of(rows.comm(), neighbors, call.operation(), &peers); err.failure())
+    return err;
   std::optional<Counts> own, received_counts;
-  if (auto err = alltoallv_counts(call, rows, send_counts, given_counts, counting, check, own,
-                                  received_counts);
+  if (auto err = alltoallv_counts(call, rows, peers, send_counts, given_counts, counting, check,
+                                  own, received_counts);
       err.failure())
     return err;
   const Counts sent = sent_counts(*own, counting);
@@ -516,14 +591,13 @@ ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, T
   std::vector<char> scratch;
   char* into = rows.destination(received, scratch);
   Blocks out_blocks(sent), in_blocks(received);
+  zero_missing(peers, rows, received, in_blocks, into);
   const int code = rows.in_units([&]<typename C>(C) {
-    const C send = sent.members() > 1 ? rows.counted<C>(out_blocks.per_peer())
-                                      : rows.counted<C>(sent.member(0));
-    const C recv = received.members() > 1 ? rows.counted<C>(in_blocks.per_peer())
-                                          : rows.counted<C>(received.member(0));
-    return Functions<C>::alltoallv(from.data, send.counts.data(), send.starts.data(), rows.type(),
-                                   into, recv.counts.data(), recv.starts.data(), rows.type(),
-                                   rows.comm());
+    const C send = per_peer<C>(rows, sent, out_blocks);
+    const C recv = per_peer<C>(rows, received, in_blocks);
+    const auto function = neighbors ? Functions<C>::neighbor_alltoallv : Functions<C>::alltoallv;
+    return function(from.data, send.counts.data(), send.starts.data(), rows.type(), into,
+                    recv.counts.data(), recv.starts.data(), rows.type(), rows.comm());
   });
   JAXCOMM_CHECK_MPI(code, call.operation(), rows.comm());
   rows.settle(into, received, recv_counts);
@@ -531,22 +605,26 @@ ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, T
   return defer ? ffi::Error::Success() : std::move(error);
 }
 
-// Posts MPI_Ialltoallv on buffers the pending request owns (requests.h): a copy
-// of x, the result, and the count and displacement arrays, which MPI reads until
-// the request completes. The counts are known at the post (given, or exchanged
-// then with a blocking MPI_Alltoall) and returned at once; an overflow or this
-// rank's invalid counts are reported by the wait, after the exchange every rank
-// took part in. A batch's rows arrive packed and go to their members at the wait.
-ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
-                      Result out, Result request, Result /*keep*/, Result recv_counts,
-                      int64_t comm_key, bool check, int32_t counting, int32_t defer) {
+// Posts MPI_Ialltoallv (MPI_Ineighbor_alltoallv) on buffers the pending request
+// owns (requests.h): a copy of x, the result, and the count and displacement
+// arrays, which MPI reads until the request completes. The counts are known at
+// the post (given, or exchanged then with a blocking MPI_Alltoall) and returned
+// at once; an overflow or this rank's invalid counts are reported by the wait,
+// after the exchange every rank took part in. A batch's rows arrive packed and go
+// to their members at the wait.
+ffi::Error post_rows(bool neighbors, const Buffer& x, const Buffer& send_counts,
+                     const Buffer& given_counts, Result& out, Result& request, Result& recv_counts,
+                     int64_t comm_key, bool check, int32_t counting, int32_t defer) {
   Call call(comm_key, check);
   const bool exchange = counting == kExchanged;
   Rows rows(call, x, out, batch_of(send_counts, 1), exchange, "recv_counts");
   if (auto err = rows.take_error(); err.failure()) return err;
+  Peers peers;
+  if (auto err = Peers::of(rows.comm(), neighbors, call.operation(), &peers); err.failure())
+    return err;
   std::optional<Counts> own, received_counts;
-  if (auto err = alltoallv_counts(call, rows, send_counts, given_counts, counting, check, own,
-                                  received_counts);
+  if (auto err = alltoallv_counts(call, rows, peers, send_counts, given_counts, counting, check,
+                                  own, received_counts);
       err.failure())
     return err;
   const Counts sent = sent_counts(*own, counting);
@@ -562,7 +640,9 @@ ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, 
   const bool direct = !Blocks(received).packed() && rows.fits(received);
   char* into =
       direct ? result : pending.own(static_cast<size_t>(received.total() * rows.row_bytes()));
+  Blocks out_blocks(sent), in_blocks(received);
   if (direct) place(result, result, received, rows.capacity(), rows.row_bytes());
+  zero_missing(peers, rows, received, in_blocks, into);
   pending.finish = [result, into, direct, capacity = rows.capacity(), row_bytes = rows.row_bytes(),
                     members = rows.members(), per_member = received.per_member(),
                     values = std::vector<int>(received.values().begin(), received.values().end()),
@@ -572,33 +652,63 @@ ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, 
       place(result, into, Counts(std::move(values), members, per_member), capacity, row_bytes);
     return defer ? ffi::Error::Success() : std::move(error);
   };
-  Blocks out_blocks(sent), in_blocks(received);
   const int code = rows.in_units([&]<typename C>(C) {
-    const C send = sent.members() > 1 ? rows.counted<C>(out_blocks.per_peer())
-                                      : rows.counted<C>(sent.member(0));
-    const C recv = received.members() > 1 ? rows.counted<C>(in_blocks.per_peer())
-                                          : rows.counted<C>(received.member(0));
-    return Functions<C>::ialltoallv(in, owned(pending, send.counts), owned(pending, send.starts),
-                                    rows.type(), into, owned(pending, recv.counts),
-                                    owned(pending, recv.starts), rows.type(), rows.comm(),
-                                    &pending.requests.emplace_back());
+    const C send = per_peer<C>(rows, sent, out_blocks);
+    const C recv = per_peer<C>(rows, received, in_blocks);
+    const auto function = neighbors ? Functions<C>::ineighbor_alltoallv : Functions<C>::ialltoallv;
+    return function(in, owned(pending, send.counts), owned(pending, send.starts), rows.type(), into,
+                    owned(pending, recv.counts), owned(pending, recv.starts), rows.type(),
+                    rows.comm(), &pending.requests.emplace_back());
   });
   JAXCOMM_CHECK_MPI(code, call.operation(), rows.comm());
   return post(request->untyped_data(), std::move(pending));
 }
 
-// allgatherv and gatherv: each member's first `count` rows of x from every rank,
-// to every rank (gatherv: to root only). `root` < 0: allgatherv.
+}  // namespace
+
+ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut, Result out,
+                     Result recv_counts, int64_t comm_key, bool check, int32_t counting,
+                     int32_t defer) {
+  return exchange_rows(false, x, send_counts, given_counts, out, recv_counts, comm_key, check,
+                       counting, defer);
+}
+
+ffi::Error NeighborAlltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
+                             Result out, Result recv_counts, int64_t comm_key, bool check,
+                             int32_t counting, int32_t defer) {
+  return exchange_rows(true, x, send_counts, given_counts, out, recv_counts, comm_key, check,
+                       counting, defer);
+}
+
+ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
+                      Result out, Result request, Result /*keep*/, Result recv_counts,
+                      int64_t comm_key, bool check, int32_t counting, int32_t defer) {
+  return post_rows(false, x, send_counts, given_counts, out, request, recv_counts, comm_key, check,
+                   counting, defer);
+}
+
+ffi::Error IneighborAlltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
+                              Result out, Result request, Result /*keep*/, Result recv_counts,
+                              int64_t comm_key, bool check, int32_t counting, int32_t defer) {
+  return post_rows(true, x, send_counts, given_counts, out, request, recv_counts, comm_key, check,
+                   counting, defer);
+}
+
+// allgatherv, neighbor_allgatherv and gatherv: each member's first `count` rows
+// of x from every rank, to every rank (neighbors: from each source, to every
+// destination; gatherv: to root only). `root` < 0: allgatherv.
 namespace {
 
-ffi::Error gather_rows(Call& call, const Buffer& x, const Buffer& count, const Buffer& given_counts,
-                       Result& out, Result& counts_out, bool check, int32_t counting, bool defer,
-                       int root) {
+ffi::Error gather_rows(Call& call, bool neighbors, const Buffer& x, const Buffer& count,
+                       const Buffer& given_counts, Result& out, Result& counts_out, bool check,
+                       int32_t counting, bool defer, int root) {
   const bool exchange = counting == kExchanged;
   Rows rows(call, x, out, batch_of(count, 0), exchange, "counts");
   if (auto err = rows.take_error(); err.failure()) return err;
   MPI_Comm comm = rows.comm();
-  const int size = comm_size(comm), rank = comm_rank(comm);
+  Peers peers;
+  if (auto err = Peers::of(comm, neighbors, call.operation(), &peers); err.failure()) return err;
+  const int size = peers.sources(), rank = comm_rank(comm);
   const bool everyone = root < 0, receives = everyone || rank == root;
   const int64_t members = rows.members();
   Counts own(count, "count", members, 1);
@@ -608,25 +718,28 @@ ffi::Error gather_rows(Call& call, const Buffer& x, const Buffer& count, const B
   // allgatherv's result is one value on every rank: where it lacks a rank's
   // rows (a refused count) or does not fit a rank's capacity, every rank raises.
   // So each rank sends its capacity beside each count, and -1 for a refused one.
+  // (A neighbour's result is its own, as alltoallv's: a refused count is 0.)
+  const bool replicated = everyone && !neighbors;
   std::string everyone_fails;
   if (exchange || check) {
-    const int per_rank = static_cast<int>(everyone ? 2 * members : members);
-    std::vector<int> mine(per_rank), in(static_cast<size_t>(per_rank) * size);
+    const int per_rank = static_cast<int>(replicated ? 2 * members : members);
+    // Never empty: MPI may refuse a null buffer even where no peer reads it.
+    std::vector<int> mine(per_rank + 1), in(static_cast<size_t>(per_rank) * size + 1);
     for (int64_t b = 0; b < members; ++b) {
-      const int c = everyone && !own.valid() ? -1 : sent.member(b)[0];
-      if (everyone) {
+      const int c = replicated && !own.valid() ? -1 : sent.member(b)[0];
+      if (replicated) {
         mine[2 * b] = c;
         mine[2 * b + 1] = static_cast<int>(std::min<int64_t>(rows.capacity(), kMaxCount));
       } else {
         mine[b] = c;
       }
     }
-    JAXCOMM_CHECK_MPI(
-        everyone
-            ? MPI_Allgather(mine.data(), per_rank, MPI_INT, in.data(), per_rank, MPI_INT, comm)
-            : MPI_Gather(mine.data(), per_rank, MPI_INT, in.data(), per_rank, MPI_INT, root, comm),
-        call.operation(), comm);
-    if (everyone) {  // counts and capacities apart; who makes every rank fail
+    JAXCOMM_CHECK_MPI(everyone ? peers.allgather(mine.data(), in.data(), per_rank, comm)
+                               : MPI_Gather(mine.data(), per_rank, MPI_INT, in.data(), per_rank,
+                                            MPI_INT, root, comm),
+                      call.operation(), comm);
+    in.resize(static_cast<size_t>(per_rank) * size);
+    if (replicated) {  // counts and capacities apart; who makes every rank fail
       std::vector<int> capacities(size), totals(members, 0);
       for (int r = 0; r < size; ++r)
         for (int64_t b = 0; b < members; ++b) {
@@ -674,13 +787,16 @@ ffi::Error gather_rows(Call& call, const Buffer& x, const Buffer& count, const B
   std::vector<char> scratch;
   char* into = rows.destination(arriving, scratch);
   Blocks in_blocks(arriving);
+  zero_missing(peers, rows, arriving, in_blocks, into);
   const int code = rows.in_units([&]<typename C>(C) {
-    const C recv =
-        members > 1 ? rows.counted<C>(in_blocks.per_peer()) : rows.counted<C>(arriving.member(0));
+    const C recv = per_peer<C>(rows, arriving, in_blocks);
     const auto mine = rows.unit<typename C::Count>(sent.total());
-    if (everyone)
-      return Functions<C>::allgatherv(from.data, mine, rows.type(), into, recv.counts.data(),
-                                      recv.starts.data(), rows.type(), comm);
+    if (everyone) {
+      const auto function =
+          neighbors ? Functions<C>::neighbor_allgatherv : Functions<C>::allgatherv;
+      return function(from.data, mine, rows.type(), into, recv.counts.data(), recv.starts.data(),
+                      rows.type(), comm);
+    }
     return Functions<C>::gatherv(from.data, mine, rows.type(), into, recv.counts.data(),
                                  recv.starts.data(), rows.type(), root, comm);
   });
@@ -698,7 +814,16 @@ ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenO
                       Result counts_out, int64_t comm_key, bool check, int32_t exchange,
                       int32_t defer) {
   Call call(comm_key, check);
-  return gather_rows(call, x, count, given_counts, out, counts_out, check, exchange, defer, -1);
+  return gather_rows(call, false, x, count, given_counts, out, counts_out, check, exchange, defer,
+                     -1);
+}
+
+ffi::Error NeighborAllgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
+                              Result out, Result counts_out, int64_t comm_key, bool check,
+                              int32_t exchange, int32_t defer) {
+  Call call(comm_key, check);
+  return gather_rows(call, true, x, count, given_counts, out, counts_out, check, exchange, defer,
+                     -1);
 }
 
 ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
@@ -706,7 +831,8 @@ ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
                    int32_t defer) {
   Call call(comm_key, check);
   call.param("root", root);
-  return gather_rows(call, x, count, given_counts, out, counts_out, check, exchange, defer, root);
+  return gather_rows(call, false, x, count, given_counts, out, counts_out, check, exchange, defer,
+                     root);
 }
 
 ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut, Result out,

@@ -32,6 +32,16 @@ namespace mpi {
 // alltoallv: send_counts[i] ([size]) rows to rank i; recv_counts int32[size].
 ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut, Result out,
                      Result recv_counts, int64_t comm, bool check, int32_t exchange, int32_t defer);
+// On a Cartesian or graph communicator: neighbor_alltoallv sends send_counts[j]
+// ([destinations]) rows to destination j; recv_counts int32[sources], in the
+// order of its sources. A source beyond a grid's edge sends nothing (count 0).
+ffi::Error NeighborAlltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
+                             Result out, Result recv_counts, int64_t comm, bool check,
+                             int32_t exchange, int32_t defer);
+// neighbor_allgatherv: `count` ([]) rows to every destination; counts int32[sources].
+ffi::Error NeighborAllgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
+                              Result out, Result counts, int64_t comm, bool check, int32_t exchange,
+                              int32_t defer);
 // allgatherv: `count` ([]) rows from every rank to every rank; counts int32[size].
 ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
                       Result counts, int64_t comm, bool check, int32_t exchange, int32_t defer);
@@ -48,25 +58,35 @@ ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut
 ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
                       Result out, Result request, Result keep, Result recv_counts, int64_t comm,
                       bool check, int32_t exchange, int32_t defer);
+ffi::Error IneighborAlltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
+                              Result out, Result request, Result keep, Result recv_counts,
+                              int64_t comm, bool check, int32_t exchange, int32_t defer);
 
 }  // namespace mpi
 }  // namespace jaxcomm
 
 // X(name, function, binding, attributes) for each, as operations.h describes.
-#define JAXCOMM_VARIABLE_SIZE(X, base, A)                                    \
-  X(alltoallv, Alltoallv, (variable_size<mpi::Buffer, mpi::Buffer>(base)),   \
-    A(int32_t, exchange) A(int32_t, defer))                                  \
-  X(allgatherv, Allgatherv, (variable_size<mpi::Buffer, mpi::Buffer>(base)), \
-    A(int32_t, exchange) A(int32_t, defer))                                  \
-  X(gatherv, Gatherv, (variable_size<mpi::Buffer, mpi::Buffer>(base)),       \
-    A(int32_t, root) A(int32_t, exchange) A(int32_t, defer))                 \
-  X(scatterv, Scatterv, (variable_size<mpi::Buffer, mpi::Buffer>(base)),     \
-    A(int32_t, root) A(int32_t, exchange) A(int32_t, defer))
+#define JAXCOMM_VARIABLE_SIZE(X, base, A)                                                     \
+  X(alltoallv, Alltoallv, (variable_size<mpi::Buffer, mpi::Buffer>(base)),                    \
+    A(int32_t, exchange) A(int32_t, defer))                                                   \
+  X(allgatherv, Allgatherv, (variable_size<mpi::Buffer, mpi::Buffer>(base)),                  \
+    A(int32_t, exchange) A(int32_t, defer))                                                   \
+  X(gatherv, Gatherv, (variable_size<mpi::Buffer, mpi::Buffer>(base)),                        \
+    A(int32_t, root) A(int32_t, exchange) A(int32_t, defer))                                  \
+  X(scatterv, Scatterv, (variable_size<mpi::Buffer, mpi::Buffer>(base)),                      \
+    A(int32_t, root) A(int32_t, exchange) A(int32_t, defer))                                  \
+  X(neighbor_alltoallv, NeighborAlltoallv, (variable_size<mpi::Buffer, mpi::Buffer>(base)),   \
+    A(int32_t, exchange) A(int32_t, defer))                                                   \
+  X(neighbor_allgatherv, NeighborAllgatherv, (variable_size<mpi::Buffer, mpi::Buffer>(base)), \
+    A(int32_t, exchange) A(int32_t, defer))
 
 // The starts, as nonblocking.h's: the result's buffer, the request, x passed
 // through, and the counts received.
 #define JAXCOMM_VARIABLE_SIZE_STARTS(X, base, A)                               \
   X(ialltoallv, Ialltoallv,                                                    \
+    (variable_size<mpi::Buffer, mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)), \
+    A(int32_t, exchange) A(int32_t, defer))                                    \
+  X(ineighbor_alltoallv, IneighborAlltoallv,                                   \
     (variable_size<mpi::Buffer, mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)), \
     A(int32_t, exchange) A(int32_t, defer))
 

@@ -102,9 +102,10 @@ def _integers(value: Any) -> Any:
     return array
 
 
-def counts(operation: str, name: str, value: Any, size: int | None) -> Any:
-    """Integer counts of any integer dtype: one per rank (shape (size,)), or with
-    size None one scalar. A jax.Array (it may be traced) stays one; anything else
+def counts(operation: str, name: str, value: Any, size: int | None, per: str = "rank") -> Any:
+    """Integer counts of any integer dtype: one per rank (shape (size,); or per
+    `per`, a neighbour exchange's "destination" or "source"), or with size None
+    one scalar. A jax.Array (it may be traced) stays one; anything else
     becomes a C-contiguous NumPy array, which an eager call reads where it is.
     Their values are validated where they are read, on every path
     (cpp/counts.h), so that a rank that refuses them still takes part."""
@@ -117,7 +118,8 @@ def counts(operation: str, name: str, value: Any, size: int | None) -> Any:
         or not jnp.issubdtype(counts.dtype, jnp.integer)
         or (counts.shape != shape)
     ):
-        what = "an integer scalar" if size is None else f"integers of shape ({size},), one per rank"
+        what = f"integers of shape ({size},), one per {per}"
+        what = "an integer scalar" if size is None else what
         raise TypeError(
             f"{operation}: {name} must be {what}, got {counts.dtype}{list(counts.shape)}"
         )

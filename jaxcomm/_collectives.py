@@ -120,6 +120,11 @@ def alltoall(x, *, comm: CommInfo, in_place: bool = False):
     return alltoall_p.bind(x, comm=comm, in_place=in_place)[0]
 
 
+def neighbor_allgather(x, *, comm: CommInfo, neighborhood: Neighborhood):
+    """Every source's x: (sources, *x.shape), block i from source i."""
+    return neighbor_allgather_p.bind(x, comm=comm, neighborhood=neighborhood)[0]
+
+
 def neighbor_alltoall(x, *, comm: CommInfo, neighborhood: Neighborhood):
     """Block j of x (destinations, *s) to destination j; block i of the result
     (sources, *s) from source i."""

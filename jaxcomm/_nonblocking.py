@@ -166,6 +166,7 @@ OPERATIONS: dict[str, Nonblocking] = {
         _declare(_p2p.send_p, SEND),
         _declare(_p2p.recv_p, RECEIVE),
         _declare(_variable_size.alltoallv_p, VARIABLE),
+        _declare(_variable_size.neighbor_alltoallv_p, VARIABLE),
     ]
 }
 
@@ -430,6 +431,16 @@ ADJOINTS: dict[str, Adjoint] = {
     "ialltoallv": Adjoint(
         "ialltoallv", params=lambda **_: {"exchange": _variable_size.REVERSED, "defer": False}
     ),
+    # The same over the reversed graph (on a grid, the grid itself).
+    "ineighbor_alltoallv": Adjoint(
+        "ineighbor_alltoallv",
+        params=lambda neighborhood, **_: {
+            "exchange": _variable_size.REVERSED,
+            "defer": False,
+            "neighborhood": neighborhood,
+        },
+        over=_reversed,
+    ),
 }
 
 
@@ -439,14 +450,19 @@ def _adjoint_params(adjoint: Adjoint, kind: StartBuffers, params: dict, rows: in
     return {**adjoint.params(**params), **({"capacity": rows} if kind.counts else {})}
 
 
-def _swapped(counts: tuple, comm: CommInfo, learn: bool) -> tuple:
+def _swapped(counts: tuple, comm: CommInfo, learn: bool, params: dict) -> tuple:
     """A variable-size adjoint's count operands (none for other operations): it
     sends what arrived and receives what was sent. `learn`: what arrived is not
-    known (transposed as written), so one alltoall of the counts learns it."""
+    known (transposed as written), so one alltoall of the counts (a neighbour
+    exchange's: neighbor_alltoall) learns it."""
     if not counts:
         return ()
     sent, received = counts
-    return (_variable_size.received_counts(sent, comm) if learn else received), sent
+    if not learn:
+        return received, sent
+    if "neighborhood" in params:
+        return _variable_size.neighbor_received_counts(sent, comm, params["neighborhood"]), sent
+    return _variable_size.received_counts(sent, comm), sent
 
 
 def _wait_transpose(cts, *operands, operation, comm, params):
@@ -475,7 +491,8 @@ def _wait_transpose(cts, *operands, operation, comm, params):
         a_params["posted"] = 0
         if operation == "irecv":  # see _p2p.refuse_derivative_of_reply
             a_params["cotangent"] = True
-        swapped = _swapped(counts, comm, learn=kind.counts and ad.is_undefined_primal(counts[1]))
+        learn = kind.counts and ad.is_undefined_primal(counts[1])
+        swapped = _swapped(counts, comm, learn, params)
         outs = list(target.start.bind(source, *swapped, comm=a_comm, **a_params))
         a_pending = outs.pop(0) if target.kind.result else None
         request_ct = outs.pop(0)
@@ -513,7 +530,7 @@ def _start_transpose(operation):
         rows = _variable_size.rows_of(x, counts[0], 1) if op.kind.counts else 0
         a_comm, a_params = adjoint.over(comm, _adjoint_params(adjoint, op.kind, params, rows))
         learn = op.kind.counts and params["exchange"] == _variable_size.EXCHANGED
-        swapped = _swapped(counts, comm, learn=learn)
+        swapped = _swapped(counts, comm, learn, params)
         # As the wait's transpose passed them: the adjoint's pending came as keep's
         # cotangent, its kept data as pending's.
         outs = bind_wait(target, a_comm, a_params, request_ct, pending_ct, keep_ct, swapped)

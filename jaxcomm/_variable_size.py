@@ -12,10 +12,17 @@ is an alltoallv back with the counts swapped; gatherv's a scatterv and
 scatterv's a gatherv; allgatherv's result is one replicated value, so, as for
 allgather, its cotangent is expected to be replicated and each rank takes its own
 rows of it.
+
+neighbor_alltoallv and neighbor_allgatherv exchange rows with the sources and
+destinations of a graph or Cartesian grid (MPI_Neighbor_*). Their adjoints go
+back over the reversed graph (Neighborhood.reversed), with the counts swapped:
+neighbor_allgatherv's results differ per rank, so each copy of x's rows sends its
+cotangent back to x's rank, where they add up.
 """
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import jax
@@ -24,7 +31,15 @@ import numpy as np
 from jax import core
 from jax.interpreters import ad
 
-from jaxcomm._collectives import allgather, alltoall, gather, scatter
+from jaxcomm._collectives import (
+    Neighborhood,
+    allgather,
+    alltoall,
+    gather,
+    neighbor_allgather,
+    neighbor_alltoall,
+    scatter,
+)
 from jaxcomm._primitive import CommInfo, comm_primitive
 from jaxcomm._replicated import pvary, replicated_cotangent
 from jaxcomm._rules import define_rules, differentiable, instantiate, zero_tangent
@@ -73,6 +88,26 @@ def _scatterv_shape(x, counts, count, *, comm, root, capacity, **_):
     return [_rows(x, capacity, batch), core.ShapedArray(batch, np.int32)]
 
 
+def _per_source(neighborhood: Neighborhood, batch: tuple[int, ...]):
+    return core.ShapedArray((*batch, neighborhood.sources), np.int32)
+
+
+def _neighbor_alltoallv_shape(x, send_counts, recv_counts, *, neighborhood, capacity, **_):
+    batch = batch_of(send_counts, 1)
+    return [_rows(x, capacity, batch), _per_source(neighborhood, batch)]
+
+
+def _neighbor_allgatherv_shape(x, count, counts, *, neighborhood, capacity, **_):
+    batch = batch_of(count, 0)
+    return [_rows(x, capacity, batch), _per_source(neighborhood, batch)]
+
+
+@functools.cache
+def no_counts(size: int) -> np.ndarray:
+    """The received-counts operand of a call that exchanges them (its values unused)."""
+    return np.zeros(size, np.int32)
+
+
 #: `exchange`: the counts received are the caller's (trusted), learnt from the
 #: senders first, or the AD rules', from an exchange made before: the same
 #: exchange again (a tangent's) or back (an adjoint's). See cpp/variable_size.cc.
@@ -85,6 +120,10 @@ alltoallv_p = comm_primitive("alltoallv", _alltoallv_shape)
 allgatherv_p = comm_primitive("allgatherv", _allgatherv_shape)
 gatherv_p = comm_primitive("gatherv", _gatherv_shape)
 scatterv_p = comm_primitive("scatterv", _scatterv_shape)
+# The same over a graph's or grid's neighbours (param `neighborhood`): counts one
+# per destination sent, one per source received, in their order.
+neighbor_alltoallv_p = comm_primitive("neighbor_alltoallv", _neighbor_alltoallv_shape)
+neighbor_allgatherv_p = comm_primitive("neighbor_allgatherv", _neighbor_allgatherv_shape)
 
 
 def _rank_rows(counts, rank: int, rows: int):
@@ -180,6 +219,79 @@ def _scatterv_transpose(cts, x, counts, count, *, comm, root, capacity, exchange
     return [back, None, None]
 
 
+def neighbor_received_counts(sent, comm: CommInfo, neighborhood: Neighborhood):
+    """The counts of a neighbor_alltoallv's rows this rank received, learnt from
+    what its sources sent (one neighbor_alltoall)."""
+    moved = neighbor_alltoall(_to_ranks(sent), comm=comm, neighborhood=neighborhood)
+    return jnp.moveaxis(moved, 0, -1)
+
+
+def _neighbor_alltoallv_transpose(
+    cts, x, send, recv, *, comm, neighborhood, capacity, exchange, defer
+):
+    # Each source's rows go back to it over the reversed graph (on a grid, the
+    # grid itself), with the counts swapped.
+    if exchange == EXCHANGED:
+        recv = neighbor_received_counts(send, comm, neighborhood)
+    reverse, back = neighborhood.reversed(comm)
+    rows, _ = neighbor_alltoallv_p.bind(
+        instantiate(cts[0]),
+        recv,
+        send,
+        comm=reverse,
+        neighborhood=back,
+        capacity=rows_of(x, send, 1),
+        exchange=REVERSED,
+        defer=False,
+    )
+    return [rows, None, None]
+
+
+def _summed_blocks(y, count, *, blocks: int, like):
+    """The sum of `blocks` blocks of `count` rows each, packed in y one after the
+    other, as an array like `like` (x): its first `count` rows, then zeros."""
+    rows = like.shape[0]
+    if blocks == 0 or rows == 0:
+        return jnp.zeros(like.shape, like.dtype)
+    index = jnp.arange(rows)
+    total = sum(
+        jnp.take(y, j * count + index, axis=0, mode="fill", fill_value=0) for j in range(blocks)
+    )
+    keep = (index < count).reshape(-1, *[1] * (len(like.shape) - 1))
+    return jnp.where(keep, total, 0).astype(like.dtype)
+
+
+def _neighbor_allgatherv_transpose(
+    cts, x, count, counts, *, comm, neighborhood, capacity, exchange, defer
+):
+    # x's rows went to every destination: each sends back the cotangent of the
+    # copy it holds (a neighbor_alltoallv over the reversed graph, count rows from
+    # each), and they add up. Each rank's own: no replicated-value convention.
+    if exchange == EXCHANGED:
+        gathered = neighbor_allgather(count, comm=comm, neighborhood=neighborhood)
+        counts = jnp.moveaxis(gathered, 0, -1)
+    reverse, back = neighborhood.reversed(comm)
+    batch = batch_of(count, 0)
+    rows = rows_of(x, count, 0)
+    blocks = neighborhood.destinations
+    mine = jnp.broadcast_to(jnp.expand_dims(count, -1), (*batch, blocks))
+    y, _ = neighbor_alltoallv_p.bind(
+        instantiate(cts[0]),
+        counts,
+        mine,
+        comm=reverse,
+        neighborhood=back,
+        capacity=blocks * rows,
+        exchange=REVERSED,
+        defer=False,
+    )
+    like = core.ShapedArray(x.aval.shape[len(batch) :], x.aval.dtype)
+    summed = partial(_summed_blocks, blocks=blocks, like=like)
+    for _ in batch:  # each batch member sums its own blocks
+        summed = jax.vmap(summed)
+    return [summed(y, count), None, None]
+
+
 def _rows_travel_as_x(primitive, defer: bool):
     """JVP of a variable-size exchange: the tangent's rows travel as x's did, with
     the counts received (operand 2) now known, so not exchanged again. With
@@ -244,6 +356,8 @@ for _primitive, _transpose, _unbatched, _defer in [
     (allgatherv_p, _allgatherv_transpose, (0, 1), False),
     (gatherv_p, _gatherv_transpose, (0, 1), True),
     (scatterv_p, _scatterv_transpose, (1, 0), True),
+    (neighbor_alltoallv_p, _neighbor_alltoallv_transpose, (1, 1), True),
+    (neighbor_allgatherv_p, _neighbor_allgatherv_transpose, (0, 1), True),
 ]:
     define_rules(
         _primitive,

@@ -60,10 +60,7 @@ def _received(result: PyTree, rest: Sequence[Any], source: int, tag: int) -> tup
     return result, _status(rest[0], jax.tree.leaves(result)[-1])
 
 
-@functools.cache
-def _no_counts(size: int) -> np.ndarray:
-    """The recv_counts operand of a call that exchanges them (its values unused)."""
-    return np.zeros(size, np.int32)
+_no_counts = _variable_size.no_counts
 
 
 def _alltoallv_counts(size: int, send_counts: Any, recv_counts: Any) -> tuple[dict, bool]:
@@ -326,20 +323,32 @@ class JaxComm:
         return self._apply(_collectives.alltoall_p, x, in_place=in_place)[0]
 
     def _variable_size(
-        self, primitive: CommPrimitive, x: Any, counts: dict[str, Any], **params: Any
+        self,
+        primitive: CommPrimitive,
+        x: Any,
+        counts: dict[str, Any],
+        peers: dict[str, tuple[int, str]] | None = None,
+        **params: Any,
     ) -> tuple[jax.Array, jax.Array]:
         """A variable-size exchange of x's rows (jaxcomm._variable_size), its count
-        operands by name in order: all checked, then run."""
-        operands = self._rows_operands(primitive.operation, x, counts, params)
+        operands by name in order: all checked (`peers`: _rows_operands), then run."""
+        operands = self._rows_operands(primitive.operation, x, counts, params, peers)
         params["defer"] = False  # only the JVP rules defer an error (_variable_size)
         y, received = _dispatch.apply_to_arrays(primitive, operands, self._comm, params)
         return y, received
 
     def _rows_operands(
-        self, operation: str, x: Any, counts: dict[str, Any], params: dict[str, Any]
+        self,
+        operation: str,
+        x: Any,
+        counts: dict[str, Any],
+        params: dict[str, Any],
+        peers: dict[str, tuple[int, str]] | None = None,
     ) -> list[Any]:
         """x and the count operands of a variable-size exchange, checked, and its
-        `params` checked in place."""
+        `params` checked in place. `peers`: how many counts each operand holds and
+        of whom (a neighbour exchange's: destinations, sources), if not one per
+        rank ("count" is one integer)."""
         comm = self._comm
         if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, list)):
             raise TypeError(f"{operation}: x must be one array of rows, not a {type(x).__name__}")
@@ -351,9 +360,12 @@ class JaxComm:
         params["capacity"] = _checks.capacity(operation, "capacity", params["capacity"], 0)
         if "root" in params:
             params["root"] = _checks.ROOT(operation, "root", params["root"], comm.size)
-        # "count" is one integer; the others one per rank.
+        # "count" is one integer; the others one per rank, or as `peers` says.
+        default = {"count": (None, "")}
         operands = [
-            _checks.counts(operation, name, value, None if name == "count" else comm.size)
+            _checks.counts(
+                operation, name, value, *(peers or default).get(name, (comm.size, "rank"))
+            )
             for name, value in counts.items()
         ]
         return [x, *operands]

@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from mpi4py import MPI
 
-from jaxcomm import _collectives, _native, _requests
+from jaxcomm import _collectives, _native, _requests, _variable_size
 from jaxcomm._collectives import Neighborhood
 from jaxcomm._primitive import CommInfo
 
@@ -32,6 +32,8 @@ class NeighborExchanges:
     sources, in the order MPI keeps for the topology (`_neighborhood`)."""
 
     _apply: Any
+    _variable_size: Any
+    _rows_operands: Any
     _comm: CommInfo
     _blocks_name: str  # how errors name the number of blocks x must have
     _neighborhood: Neighborhood  # set by the topology's __init__
@@ -56,6 +58,87 @@ class NeighborExchanges:
         """
         self._check_blocks("neighbor_alltoall", x)
         return self._apply(_collectives.neighbor_alltoall_p, x, neighborhood=self._neighborhood)[0]
+
+    def neighbor_alltoallv(
+        self,
+        x: jax.Array,
+        send_counts: Any,
+        *,
+        capacity: int,
+        recv_counts: Any = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Rows of x to each destination, how many given per call (traceable;
+        ``MPI_Neighbor_alltoallv``).
+
+        x: ``(n, *s)``, its rows grouped by destination: the first
+        ``send_counts[0]`` go to destination 0, the next ``send_counts[1]`` to
+        destination 1, and so on. send_counts: integers, ``(destinations,)``.
+
+        Returns ``(y, recv_counts)``: y ``(capacity, *s)`` holds the rows received,
+        grouped by source in source order, then zeros; recv_counts, int32
+        ``(sources,)``, how many came from each. Without ``recv_counts`` one
+        ``MPI_Neighbor_alltoall`` exchanges the counts first; a given one is
+        trusted (checking mode verifies it). On a grid, nothing arrives from
+        beyond a non-periodic edge (count 0), and rows sent there go nowhere. More
+        rows than ``capacity`` arriving is an error on that rank, which keeps none
+        of them; the other ranks get their rows.
+        """
+        (counts, peers), params = self._alltoallv_counts(send_counts, recv_counts)
+        return self._variable_size(
+            _variable_size.neighbor_alltoallv_p, x, counts, peers, capacity=capacity, **params
+        )
+
+    def neighbor_allgatherv(
+        self, x: jax.Array, *, capacity: int, count: Any = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """This rank's first ``count`` rows of x (default all) to every
+        destination (``MPI_Neighbor_allgatherv``).
+
+        x: ``(n, *s)``; count: an integer (traceable), at most n. Returns
+        ``(y, counts)``: y ``(capacity, *s)`` holds the rows of each source in
+        source order, then zeros; counts, int32 ``(sources,)``, how many came
+        from each (one ``MPI_Neighbor_allgather`` learns them). On a grid,
+        nothing arrives from beyond a non-periodic edge (count 0). More rows than
+        ``capacity`` is an error on that rank, which keeps none of them.
+        """
+        hood = self._neighborhood
+        return self._variable_size(
+            _variable_size.neighbor_allgatherv_p,
+            x,
+            {"count": count, "counts": _variable_size.no_counts(hood.sources)},
+            {"count": (None, ""), "counts": (hood.sources, "source")},
+            capacity=capacity,
+            exchange=True,
+            neighborhood=hood,
+        )
+
+    def ineighbor_alltoallv(
+        self, x: jax.Array, send_counts: Any, *, capacity: int, recv_counts: Any = None
+    ) -> _requests.Request:
+        """Post neighbor_alltoallv (``MPI_Ineighbor_alltoallv``); ``wait`` returns
+        ``(y, recv_counts)``. The counts are known at the post: without
+        ``recv_counts`` the post first exchanges them (one blocking
+        ``MPI_Neighbor_alltoall`` of one integer per neighbour), so give them to
+        overlap the whole exchange. An overflow of ``capacity`` or invalid
+        ``send_counts`` are the wait's error, on that rank."""
+        (counts, peers), params = self._alltoallv_counts(send_counts, recv_counts)
+        params.update(capacity=capacity, defer=False)
+        x, *operands = self._rows_operands("ineighbor_alltoallv", x, counts, params, peers)
+        return _requests.post_rows("ineighbor_alltoallv", x, operands, self._comm, params)
+
+    def _alltoallv_counts(self, send_counts: Any, recv_counts: Any) -> tuple[tuple, dict]:
+        """neighbor_alltoallv's count operands by name and how many each holds;
+        the params that say whether the call exchanges them, and where."""
+        hood = self._neighborhood
+        exchange = recv_counts is None
+        recv = _variable_size.no_counts(hood.sources) if exchange else recv_counts
+        return (
+            {"send_counts": send_counts, "recv_counts": recv},
+            {
+                "send_counts": (hood.destinations, "destination"),
+                "recv_counts": (hood.sources, "source"),
+            },
+        ), {"exchange": exchange, "neighborhood": hood}
 
     def ineighbor_allgather(self, x: PyTree) -> _requests.Request:
         """Post neighbor_allgather (``MPI_Ineighbor_allgather``); ``wait`` returns
