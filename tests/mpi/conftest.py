@@ -1,4 +1,5 @@
 import faulthandler
+import os
 import sys
 
 import jax
@@ -10,6 +11,13 @@ faulthandler.dump_traceback_later(600, exit=True)
 
 # The tests cover 64-bit dtypes; this is test configuration, jaxcomm never sets it.
 jax.config.update("jax_enable_x64", True)
+
+if os.environ.get("JAXCOMM_TEST_JIT") == "jaxcomm":
+    # Run the suite's jitted functions through jaxcomm.jit (its C++ dispatch
+    # path and marker chain) instead of jax.jit: test configuration only.
+    import jaxcomm
+
+    jax.jit = jaxcomm.jit
 
 
 @pytest.fixture(scope="session")
