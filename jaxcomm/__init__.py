@@ -27,6 +27,7 @@ from mpi4py import MPI
 
 from jaxcomm import _native, _requests
 from jaxcomm._datatypes import DTYPES, ReduceOp
+from jaxcomm._jit import jit
 from jaxcomm._kernels import build_flags, register_kernel
 from jaxcomm._native import MPILibraryMismatchError
 from jaxcomm._primitive import PRIMITIVES
@@ -55,6 +56,7 @@ __all__ = [  # and every module-level operation, added below
     "get_include",
     "has_cuda_support",
     "has_sycl_support",
+    "jit",
     "register_kernel",
 ]
 

@@ -49,3 +49,17 @@ def test_mlp_workload(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "mlp.jsonl").read_text().splitlines()]
     timed = {(r["backend"], r["steps_per_call"]) for r in records if r["median_ms"] > 0}
     assert {(name, k) for name in ("no-communication", "jaxcomm") for k in (1, 2)} <= timed
+
+
+def test_dispatch_costs(tmp_path):
+    args = [str(BENCH / "dispatch.py"), "--reps", "1", "--min-time", "0.001"]
+    result = run(2, [*args, "--out", str(tmp_path)], timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = [json.loads(line) for line in (tmp_path / "dispatch.jsonl").read_text().splitlines()]
+    assert {"no-communication", "jaxcomm", "jaxcomm.jit"} <= {r["backend"] for r in records}
+    assert all(r["median_us"] > 0 for r in records)
+    result = run(1, [*args, "--attribute", "--out", str(tmp_path)], timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = (tmp_path / "dispatch-attribution.jsonl").read_text().splitlines()
+    timed = {json.loads(line)["function"] for line in lines}
+    assert {"total", "RuntimeTokenSet.get_token_input"} <= timed

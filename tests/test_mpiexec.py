@@ -25,8 +25,11 @@ NETWORK = {
 }
 
 
-def run_suite(nprocs: int, tests: str, marks: str, env: dict[str, str] | None = None) -> None:
-    args = ["-m", "pytest", tests, "-q", "-x", "-p", "no:cacheprovider", "--color=no", "-m", marks]
+def run_suite(
+    nprocs: int, tests: str | list[str], marks: str, env: dict[str, str] | None = None
+) -> None:
+    tests = [tests] if isinstance(tests, str) else tests
+    args = ["-m", "pytest", *tests, "-q", "-x", "-p", "no:cacheprovider", "--color=no", "-m", marks]
     result = run(
         nprocs,
         args,
@@ -53,6 +56,25 @@ def test_mpi_suite(nprocs):
 def test_collectives_on_more_ranks(nprocs):
     # Odd counts and non-powers of two, where MPI libraries pick other algorithms.
     run_suite(nprocs, str(HERE / "mpi" / "test_sizes.py"), "not slow")
+
+
+@pytest.mark.parametrize("nprocs", [5])
+def test_ordered_jit_on_more_ranks(nprocs):
+    # Eager calls, jax.jit and jaxcomm.jit mixed, with loops and branches.
+    run_suite(nprocs, str(HERE / "mpi" / "test_ordered_jit.py"), "not slow")
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("nprocs", [1, 2, 3])
+def test_ordering_suites_through_jaxcomm_jit(nprocs):
+    # Every jitted function of the suites about order runs under jaxcomm.jit.
+    suites = ["test_ordering.py", "test_nonblocking.py", "test_request_safety.py", "test_eager.py"]
+    run_suite(
+        nprocs,
+        [str(HERE / "mpi" / suite) for suite in suites],
+        "not slow",
+        env={"JAXCOMM_TEST_JIT": "jaxcomm"},
+    )
 
 
 @pytest.mark.matrix

@@ -11,6 +11,13 @@ from mpi4py import MPI
 # The tests cover 64-bit dtypes; this is test configuration, jaxcomm never sets it.
 jax.config.update("jax_enable_x64", True)
 
+if os.environ.get("JAXCOMM_TEST_JIT") == "jaxcomm":
+    # Run the suite's jitted functions through jaxcomm.jit (its C++ dispatch
+    # path and marker chain) instead of jax.jit: test configuration only.
+    import jaxcomm
+
+    jax.jit = jaxcomm.jit
+
 # Seconds one test (setup, call and teardown) may take before its rank prints the
 # test's name and every thread's stack and exits. Tests take seconds, the 2 GiB
 # messages of test_large.py longer; 300 s leaves a slow, busy machine room and
