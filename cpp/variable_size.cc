@@ -365,7 +365,9 @@ class Rows {
   }
 
   // Whether the rows `received` (per member) fit the result.
-  bool fits(const Counts& received) const { return received.most() <= capacity_; }
+  bool fits(const Counts& received) const {
+    return received.valid() && received.most() <= capacity_;
+  }
 
   // Where the incoming rows go: the result itself for one member that fits, else a
   // buffer of `scratch` (packed, or dropped after an overflow).
@@ -390,8 +392,8 @@ class Rows {
       return overflow(sent.asked(), capacity_);
     if (!sent.valid())
       return invalid_argument(call_.operation(), sent.error() + " (this rank sent no rows)");
-    if (!received.valid())  // mirrored counts (received_counts)
-      return invalid_argument(call_.operation(), received.error() + " (this rank sent no rows)");
+    if (!received.valid())  // given or mirrored counts refused (received_counts)
+      return invalid_argument(call_.operation(), received.error() + " (no rows were kept)");
     if (!fits(received)) return overflow(received.values(), capacity_);
     return ffi::Error::Success();
   }
@@ -425,7 +427,7 @@ class Rows {
 // after an overflow).
 void place(char* result, const char* arrived, const Counts& received, int64_t capacity,
            int64_t row_bytes) {
-  const bool kept = received.most() <= capacity;
+  const bool kept = received.valid() && received.most() <= capacity;
   if (kept && arrived != result) Blocks(received).unpack(arrived, result, capacity, row_bytes);
   static const char nothing = 0;
   for (int64_t b = 0; b < received.members(); ++b) {
@@ -504,10 +506,15 @@ ffi::Error received_counts(Rows& rows, int32_t counting, bool check, const Buffe
                        exchanged);
         err.failure())
       return err;
+  // Given counts that no sender could match (negative, beyond int32) leave this
+  // rank without the counts its peers send, and MPI cannot take rows it has no
+  // count for without leaving messages that a later collective would match (or
+  // waiting for them). So it refuses them before the exchange, as a bad root;
+  // its peers then wait for it (checking mode makes every rank raise instead).
   if (!counts.valid())
     return rows.refuse(counts.error() +
-                       " (given counts are trusted: "
-                       "this rank did not take part in the exchange)");
+                       " (given counts are trusted: this rank did not take "
+                       "part in the exchange, which its peers wait for)");
   return ffi::Error::Success();
 }
 

@@ -85,13 +85,13 @@ def padded(pieces: list[np.ndarray], capacity: int, like: np.ndarray) -> np.ndar
 
 def alltoallv_reference(xs, send, capacity, recv_refused):
     """Per rank (y, recv_counts) or Refused. A rank refuses its invalid
-    send_counts, or its invalid given recv_counts (recv_refused[r]), and then
-    sends nothing; a rank whose incoming rows exceed its capacity refuses them
-    (it still sends)."""
+    send_counts and sends nothing; a rank refuses its invalid given recv_counts
+    (recv_refused[r]) or incoming rows beyond its capacity, keeping none (it
+    still sends)."""
     size = len(xs)
-    why = [[w for w in (refusal("send_counts", send[r], len(xs[r])), recv_refused[r]) if w]
-           for r in range(size)]  # fmt: skip
-    sent = [[0] * size if why[r] else list(send[r]) for r in range(size)]
+    own = [refusal("send_counts", send[r], len(xs[r])) for r in range(size)]
+    why = [[w for w in (own[r], recv_refused[r]) if w] for r in range(size)]
+    sent = [[0] * size if own[r] else list(send[r]) for r in range(size)]
     out = []
     for r in range(size):
         got = [sent[s][r] for s in range(size)]
@@ -99,7 +99,7 @@ def alltoallv_reference(xs, send, capacity, recv_refused):
             why[r].append(("capacity", capacity[r]))
         starts = [sum(sent[s][:r]) for s in range(size)]
         pieces = [xs[s][starts[s] : starts[s] + got[s]] for s in range(size)]
-        overflow = sum(got) > capacity[r]
+        overflow = sum(got) > capacity[r] or recv_refused[r] is not None  # kept none
         result = None if overflow else (padded(pieces, capacity[r], xs[r]), np.array(got, np.int32))
         out.append(Refused(tuple(why[r]), result) if why[r] else result)
     return out
@@ -401,10 +401,7 @@ def _sent(case: Case, counts) -> list:
     if case.op == "scatterv":
         root = counts[case.root]
         return [0] * SIZE if refusal("", root, case.rows[case.root]) else list(root)
-    return [
-        [0] * SIZE if refusal("", c, case.rows[r]) or isinstance(case.recv[r], int) else list(c)
-        for r, c in enumerate(counts)
-    ]
+    return [[0] * SIZE if refusal("", c, case.rows[r]) else list(c) for r, c in enumerate(counts)]
 
 
 def _received(case: Case, counts) -> list[int]:
