@@ -1,10 +1,11 @@
 // The variable-size exchanges on host memory: alltoallv (and ialltoallv),
 // allgatherv, gatherv and scatterv, each MPI's own function on rows of x (its
 // elements past the leading axis), with a static capacity of rows for the
-// result. The counts are integer buffers, so they may change from call to call;
-// unless the caller gives them (`exchange` 0, as the AD rules do), one small
-// collective of the counts comes first. Checking mode compares given counts
-// with the exchanged ones on every rank at once.
+// result; and their neighbour forms (on a graph or grid: sources and
+// destinations instead of every rank). The counts are integer buffers, so they
+// may change from call to call; unless they are given (`exchange`: Counting),
+// one small collective of the counts comes first. Checking mode compares given
+// counts with the exchanged ones on every rank at once.
 //
 // Under vmap a call carries `members` batch members: x, the counts and the
 // results gain a leading batch axis, and the call is still one exchange of
@@ -15,9 +16,10 @@
 // is touched. Every rank takes part in the data exchange whatever its own counts
 // are, so that no rank waits for another: a rank whose counts are invalid sends
 // no rows, and a rank whose incoming rows exceed its capacity receives them into
-// a scratch buffer; each then returns an error that names its counts. Rows of the
-// result past those received are zeros. Only beyond 2^31 - 1 rows, which no int
-// counts, does a rank call MPI 4's large-count form (MPI_Alltoallv_c, ...).
+// a scratch buffer; each then returns an error that names its counts. (Given
+// counts that no sender could match are the exception: received_counts.) Rows of
+// the result past those received are zeros. Only beyond 2^31 - 1 rows, which no
+// int counts, does a rank call MPI 4's large-count form (MPI_Alltoallv_c, ...).
 #include "variable_size.h"
 
 #include <mpi.h>
