@@ -318,7 +318,7 @@ class Mpi4py(Backend):
         call = calls[op]
         swaps = blocking_form(op) in ("allreduce", "sendrecv", "alltoall", "scan", *RING, *GRAPH)
         x = reference_input(op, count, comm.rank, size)
-        out = np.zeros(expected(op, count, 0, size).shape, np.float32)
+        out = np.zeros(expected(op, count, comm.rank, size).shape, np.float32)
         buffers = [np.zeros_like(x), np.zeros_like(out)]  # reused, as C's are
 
         def result():
