@@ -18,6 +18,9 @@ alltoallv        (p * count,)     (p * count,)     the input, element 0 replaced
 alltoallv_skew   (10 p count,)    ((p + 9) count,) as alltoallv; on rank 0, 10x the others'
 neighbor         (2, count)       (2, count)       output
 halo             (2, count)       (2, count)       output
+graph_alltoallv  (k count,)       (k count,)       output (k: this rank's neighbours)
+graph_dense      (k count,)       (k count,)       output
+graph_sendrecv   (k count,)       (k count,)       output
 ===============  ===============  ===============  ====================================
 
 alltoallv sends `count` elements (rows of one float32) to every rank, and
@@ -30,6 +33,15 @@ neighbor and halo exchange blocks with the two neighbours on a periodic ring
 block 0 comes from below and block 1 from above. neighbor is one
 MPI_Neighbor_alltoall; halo is what jaxcomm's halo_exchange makes, two
 MPI_Sendrecv (one up, one down).
+
+The graph ops exchange a block of `count` with each of a rank's 2 to 4
+neighbours in a fixed pseudo-random graph (`sparse_graph`: the same on every
+rank, symmetric, neighbours in ascending order; on 2 ranks, 1). graph_alltoallv
+is one MPI_Neighbor_alltoallv over a distributed graph communicator (jaxcomm:
+`create_dist_graph` and `neighbor_alltoallv`); graph_dense is the same exchange
+as one MPI_Alltoallv over all ranks, zero counts to the others; graph_sendrecv
+is one MPI_Sendrecv per neighbour, in ascending order (which cannot deadlock).
+Every rank's counts are fixed and given, so none of them exchanges counts.
 
 The non-blocking ops (iallreduce, ibcast, ialltoall, iallgather, ireduce_scatter,
 and isendrecv: an irecv and an isend) post and then wait at once: what a
@@ -56,7 +68,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +78,8 @@ BLOCKING = ("allreduce", "bcast", "sendrecv", "alltoall", "allgather", "reduce_s
 NONBLOCKING = ("iallreduce", "ibcast", "isendrecv", "ialltoall", "iallgather", "ireduce_scatter")
 VARIABLE = ("alltoallv", "alltoallv_skew")
 RING = ("neighbor", "halo")
-OPS = BLOCKING + NONBLOCKING + VARIABLE + RING
+GRAPH = ("graph_alltoallv", "graph_dense", "graph_sendrecv")
+OPS = BLOCKING + NONBLOCKING + VARIABLE + RING + GRAPH
 
 
 def python_calls(op: str) -> int:
@@ -86,6 +99,29 @@ def peer_of(rank: int, size: int) -> int:
     return rank ^ 1 if rank ^ 1 < size else rank
 
 
+@cache
+def sparse_graph(size: int) -> tuple[tuple[int, ...], ...]:
+    """Each rank's neighbours, ascending: a random ring (2 each) plus random edges
+    between ranks with fewer than 4, from a fixed seed, so every rank builds the same."""
+    rng = np.random.default_rng(45)
+    edges = set()
+    ring = rng.permutation(size)
+    for a, b in zip(ring, np.roll(ring, 1), strict=True):
+        if a != b:
+            edges.add((min(a, b), max(a, b)))
+    degree = np.zeros(size, int)
+    for a, b in edges:
+        degree[[a, b]] += 1
+    for _ in range(size):
+        a, b = sorted(rng.choice(size, 2, replace=False)) if size > 1 else (0, 0)
+        if a != b and (a, b) not in edges and degree[a] < 4 and degree[b] < 4:
+            edges.add((a, b))
+            degree[[a, b]] += 1
+    return tuple(
+        tuple(sorted(int(b if a == r else a) for a, b in edges if r in (a, b))) for r in range(size)
+    )
+
+
 def send_counts(op: str, count: int, rank: int, size: int) -> np.ndarray:
     """alltoallv's rows from `rank` to each rank."""
     return np.full(size, count * (10 if op == "alltoallv_skew" and rank == 0 else 1), np.int32)
@@ -96,6 +132,8 @@ def input_shape(op: str, count: int, size: int, rank: int = 0) -> tuple[int, ...
         return (int(send_counts(op, count, rank, size).sum()),)
     if op in RING:
         return (2, count)
+    if op in GRAPH:
+        return (len(sparse_graph(size)[rank]) * count,)
     return (size, count) if blocking_form(op) in ("alltoall", "reduce_scatter") else (count,)
 
 
@@ -125,12 +163,24 @@ def expected(op: str, count: int, rank: int, size: int) -> np.ndarray:
     if op in RING:
         below, above = (rank - 1) % size, (rank + 1) % size
         return np.stack([inputs[below][1], inputs[above][0]])
+    if op in GRAPH:
+        graph = sparse_graph(size)
+        return np.concatenate(
+            [[]] + [inputs[s].reshape(-1, count)[graph[s].index(rank)] for s in graph[rank]]
+        ).astype(np.float32)
     if op in VARIABLE:
         counts = [send_counts(op, count, r, size) for r in range(size)]
         return np.concatenate(
             [inputs[r][counts[r][:rank].sum() :][: counts[r][rank]] for r in range(size)]
         )
     raise ValueError(op)
+
+
+def dense_counts(count: int, rank: int, size: int) -> np.ndarray:
+    """graph_dense's rows to (and from) each rank: count to a neighbour, else 0."""
+    counts = np.zeros(size, np.int32)
+    counts[list(sparse_graph(size)[rank])] = count
+    return counts
 
 
 def capacity(op: str, count: int, size: int) -> int:
@@ -189,23 +239,39 @@ class RawMPI(Backend):
             ctypes.c_int,
             ctypes.c_int,
         ]
+        self.lib.raw_mpi_graph_time.restype = ctypes.c_double
+        # The same, then the number of neighbours and their ranks (int32).
+        self.lib.raw_mpi_graph_time.argtypes = [
+            *self.lib.raw_mpi_time.argtypes,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
 
     def case(self, op, count):
         comm = self.comm
         x = reference_input(op, count, comm.rank, comm.size)
-        out_shape = expected(op, count, 0, comm.size).shape
+        out_shape = expected(op, count, comm.rank, comm.size).shape
         buffers = [x.copy(), np.zeros(max(x.size, int(np.prod(out_shape))), np.float32)]
+        neighbours = np.array(sparse_graph(comm.size)[comm.rank], np.int32)
+
+        def call(a, b, iters):
+            if op in GRAPH:
+                return self.lib.raw_mpi_graph_time(
+                    op.encode(), comm.py2f(), a, b, count, iters, len(neighbours),
+                    neighbours.ctypes.data,
+                )  # fmt: skip
+            return self.lib.raw_mpi_time(op.encode(), comm.py2f(), a, b, count, iters)
 
         def run(iters: int) -> float:
             a, b = (buf.ctypes.data for buf in buffers)
             for buf in buffers:
                 buf[...] = 0
-            return self.lib.raw_mpi_time(op.encode(), comm.py2f(), a, b, count, iters)
+            return call(a, b, iters)
 
         def result():
             buffers[0][...] = x
             a, b = (buf.ctypes.data for buf in buffers)
-            self.lib.raw_mpi_time(op.encode(), comm.py2f(), a, b, count, 1)
+            call(a, b, 1)
             out = buffers[0] if blocking_form(op) == "bcast" else buffers[1]
             return out.reshape(-1)[: int(np.prod(out_shape))].reshape(out_shape)
 
@@ -245,11 +311,14 @@ class Mpi4py(Backend):
             "halo": self._halo,
             "alltoallv": partial(self._alltoallv, send_counts(op, count, comm.rank, size)),
             "alltoallv_skew": partial(self._alltoallv, send_counts(op, count, comm.rank, size)),
+            "graph_alltoallv": partial(self._graph_alltoallv, count),
+            "graph_dense": partial(self._graph_dense, dense_counts(count, comm.rank, size)),
+            "graph_sendrecv": partial(self._graph_sendrecv, count),
         }
         call = calls[op]
-        swaps = blocking_form(op) in ("allreduce", "sendrecv", "alltoall", "scan", *RING)
+        swaps = blocking_form(op) in ("allreduce", "sendrecv", "alltoall", "scan", *RING, *GRAPH)
         x = reference_input(op, count, comm.rank, size)
-        out = np.zeros(expected(op, count, 0, size).shape, np.float32)
+        out = np.zeros(expected(op, count, comm.rank, size).shape, np.float32)
         buffers = [np.zeros_like(x), np.zeros_like(out)]  # reused, as C's are
 
         def result():
@@ -280,6 +349,29 @@ class Mpi4py(Backend):
         below, above = self.ring.Shift(0, 1)
         self.ring.Sendrecv(a[1], above, 0, b[0], below, 0)
         self.ring.Sendrecv(a[0], below, 1, b[1], above, 1)
+
+    @property
+    def graph(self) -> MPI.Distgraphcomm:
+        if not hasattr(self, "_graph"):
+            neighbours = sparse_graph(self.comm.size)[self.comm.rank]
+            self._graph = self.comm.Create_dist_graph_adjacent(neighbours, neighbours)
+        return self._graph
+
+    def _graph_alltoallv(self, count, a, b):
+        counts = [count] * len(sparse_graph(self.comm.size)[self.comm.rank])
+        starts = [count * k for k in range(len(counts))]
+        self.graph.Neighbor_alltoallv(
+            [a, counts, starts, MPI.FLOAT], [b, counts, starts, MPI.FLOAT]
+        )
+
+    def _graph_dense(self, counts, a, b):
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        self.comm.Alltoallv([a, counts, starts, MPI.FLOAT], [b, counts, starts, MPI.FLOAT])
+
+    def _graph_sendrecv(self, count, a, b):
+        for k, peer in enumerate(sparse_graph(self.comm.size)[self.comm.rank]):
+            block = slice(k * count, (k + 1) * count)
+            self.comm.Sendrecv(a[block], peer, 0, b[block], peer, 0)
 
     def _alltoallv(self, counts, a, b):
         received = np.empty_like(counts)
@@ -425,7 +517,43 @@ class JaxcommBackend(Backend):
             counts = send_counts(op, self._count, comm.rank, comm.size)
             rows = capacity(op, self._count, comm.size)
             return lambda x: comm.alltoallv(x, counts, capacity=rows)[0]
+        if op in GRAPH:
+            return self._graph_call(op, self._count)
         return getattr(comm, op)
+
+    def _graph_call(self, op, count):
+        comm = self.comm
+        neighbours = sparse_graph(comm.size)[comm.rank]
+        rows = len(neighbours) * count
+        if op == "graph_alltoallv":
+            counts = np.full(len(neighbours), count, np.int32)
+            return lambda x: self.graph.neighbor_alltoallv(
+                x, counts, capacity=rows, recv_counts=counts
+            )[0]
+        if op == "graph_dense":
+            counts = dense_counts(count, comm.rank, comm.size)
+            return lambda x: comm.alltoallv(x, counts, capacity=rows, recv_counts=counts)[0]
+
+        def sendrecv(x):
+            import jax.numpy as jnp
+
+            blocks = x.reshape(len(neighbours), count)
+            return jnp.concatenate(
+                [
+                    comm.sendrecv(b, source=n, dest=n)
+                    for b, n in zip(blocks, neighbours, strict=True)
+                ]
+            )
+
+        return sendrecv
+
+    @property
+    def graph(self):
+        """The ranks as sparse_graph's distributed graph (a GraphComm), made once."""
+        if not hasattr(self, "_graph"):
+            neighbours = sparse_graph(self.comm.size)[self.comm.rank]
+            self._graph = self.comm.create_dist_graph(neighbours, neighbours)
+        return self._graph
 
     @property
     def ring(self):
@@ -464,7 +592,7 @@ class Mpi4jaxBackend(Backend):
         }[op]
 
     def case(self, op, count):
-        if op == "reduce_scatter" or op in NONBLOCKING or op in VARIABLE or op in RING:
+        if op == "reduce_scatter" or op in (*NONBLOCKING, *VARIABLE, *RING, *GRAPH):
             return None
         return jax_case(op, count, self._call, jit=self.jit, comm=self.comm, live=self.live)
 

@@ -130,3 +130,57 @@ double raw_mpi_time(const char* op, MPI_Fint comm_f, float* a, float* b, int cou
   if (ring != MPI_COMM_NULL) MPI_Comm_free(&ring);
   return elapsed;
 }
+
+/* The graph ops of bench/backends.py: a block of `count` floats to and from each
+ * of `degree` neighbours (ascending, the same list both ways), as one
+ * MPI_Neighbor_alltoallv over a distributed graph communicator (graph_alltoallv),
+ * one MPI_Alltoallv over all ranks with zero counts to the others (graph_dense),
+ * or one MPI_Sendrecv per neighbour in ascending order (graph_sendrecv). The
+ * counts are fixed, so no call exchanges them. */
+double raw_mpi_graph_time(const char* op, MPI_Fint comm_f, float* a, float* b, int count, int iters,
+                          int degree, const int* neighbours) {
+  MPI_Comm comm = MPI_Comm_f2c(comm_f);
+  int size;
+  MPI_Comm_size(comm, &size);
+  float* t;
+  const int n = degree > size ? degree : size;
+  int* counts = calloc(2 * (size_t)n + 1, sizeof(int));
+  int* starts = counts + n;
+  MPI_Comm graph = MPI_COMM_NULL;
+  if (!strcmp(op, "graph_alltoallv")) {
+    for (int k = 0; k < degree; ++k) counts[k] = count, starts[k] = k * count;
+    MPI_Dist_graph_create_adjacent(comm, degree, neighbours, MPI_UNWEIGHTED, degree, neighbours,
+                                   MPI_UNWEIGHTED, MPI_INFO_NULL, 0, &graph);
+  } else if (!strcmp(op, "graph_dense")) {
+    /* Neighbours ascend, so their blocks lie in rank order, as alltoallv's do. */
+    for (int k = 0; k < degree; ++k) counts[neighbours[k]] = count;
+    for (int r = 1; r < size; ++r) starts[r] = starts[r - 1] + counts[r - 1];
+  }
+  double start = MPI_Wtime();
+  if (!strcmp(op, "graph_alltoallv")) {
+    for (int i = 0; i < iters; ++i) {
+      MPI_Neighbor_alltoallv(a, counts, starts, MPI_FLOAT, b, counts, starts, MPI_FLOAT, graph);
+      t = a, a = b, b = t;
+    }
+  } else if (!strcmp(op, "graph_dense")) {
+    for (int i = 0; i < iters; ++i) {
+      MPI_Alltoallv(a, counts, starts, MPI_FLOAT, b, counts, starts, MPI_FLOAT, comm);
+      t = a, a = b, b = t;
+    }
+  } else if (!strcmp(op, "graph_sendrecv")) {
+    for (int i = 0; i < iters; ++i) {
+      for (int k = 0; k < degree; ++k)
+        MPI_Sendrecv(a + (size_t)k * count, count, MPI_FLOAT, neighbours[k], 0,
+                     b + (size_t)k * count, count, MPI_FLOAT, neighbours[k], 0, comm,
+                     MPI_STATUS_IGNORE);
+      t = a, a = b, b = t;
+    }
+  } else {
+    free(counts);
+    return -1.0;
+  }
+  double elapsed = MPI_Wtime() - start;
+  if (graph != MPI_COMM_NULL) MPI_Comm_free(&graph);
+  free(counts);
+  return elapsed;
+}

@@ -28,6 +28,7 @@ def test_latency_suite_checks_and_records_every_backend(tmp_path):
     blocking = {"allreduce", "bcast", "sendrecv", "alltoall", "allgather", "reduce_scatter", "scan"}
     ops = blocking | {"i" + op for op in blocking - {"scan"}}
     ops |= {"alltoallv", "alltoallv_skew", "neighbor", "halo"}
+    ops |= {"graph_alltoallv", "graph_dense", "graph_sendrecv"}
     backends = {
         "C",
         "mpi4py",

@@ -192,3 +192,29 @@ def test_particles_plot(tmp_path):
     png = tmp_path / "particles.png"
     run_example("particles.py", 2, "--particles", "200", "--steps", "5", "--plot", str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_unstructured_mesh_matches_one_rank(tmp_path, nprocs):
+    """The field and the gradient through the loop agree with the program's own
+    1-rank run. The scheme is a convex combination of neighbours (u stays within
+    [0, 1]), and each cell's arithmetic is the same on any number of ranks: the
+    field differs by rounding alone, at most float32's eps per step. The
+    gradient's sums over cells and ranks change order: relative error eps per step."""
+    png = tmp_path / "mesh.png"
+    steps = 60
+    args = ["--n", "16", "--steps", str(steps), "--plot", str(png)]
+    out = run_example("unstructured_mesh.py", nprocs, *args)[0]
+    found = re.search(
+        rf"{nprocs} ranks, 512 triangles, {steps} steps: max \|u - u_1rank\| (\S+), "
+        r"dmisfit/dD (\S+) vs 1 rank (\S+) \(relative \S+\), tolerance \S+: ok",
+        out,
+    )
+    assert found, out
+    error, gradient, serial = map(float, found.groups())
+    tolerance = steps * np.finfo(np.float32).eps
+    assert error <= tolerance
+    assert serial < 0 and abs(gradient - serial) <= tolerance * abs(serial)
+    fitted = re.search(r"fitted D: 0.40000 -> .* -> (\S+) \(true 1.0\)", out)
+    assert fitted and abs(float(fitted.group(1)) - 1.0) < 1e-3, out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
