@@ -1,4 +1,5 @@
-"""Variable-size exchanges: alltoallv, allgatherv, gatherv and scatterv.
+"""Variable-size exchanges: alltoallv, allgatherv, gatherv and scatterv, and the
+neighbour exchanges; their non-blocking forms are jaxcomm._nonblocking's.
 
 Rows of x (its leading axis) travel, as many as int32 count operands say; the
 counts may be traced and change from call to call, and only the result's
