@@ -93,6 +93,10 @@ struct Functions<IntCounts> {
   static constexpr auto neighbor_alltoallv = &MPI_Neighbor_alltoallv;
   static constexpr auto ineighbor_alltoallv = &MPI_Ineighbor_alltoallv;
   static constexpr auto neighbor_allgatherv = &MPI_Neighbor_allgatherv;
+  static constexpr auto iallgatherv = &MPI_Iallgatherv;
+  static constexpr auto igatherv = &MPI_Igatherv;
+  static constexpr auto iscatterv = &MPI_Iscatterv;
+  static constexpr auto ineighbor_allgatherv = &MPI_Ineighbor_allgatherv;
 };
 
 #if JAXCOMM_LARGE_COUNTS
@@ -106,6 +110,10 @@ struct Functions<LargeCounts> {
   static constexpr auto neighbor_alltoallv = &MPI_Neighbor_alltoallv_c;
   static constexpr auto ineighbor_alltoallv = &MPI_Ineighbor_alltoallv_c;
   static constexpr auto neighbor_allgatherv = &MPI_Neighbor_allgatherv_c;
+  static constexpr auto iallgatherv = &MPI_Iallgatherv_c;
+  static constexpr auto igatherv = &MPI_Igatherv_c;
+  static constexpr auto iscatterv = &MPI_Iscatterv_c;
+  static constexpr auto ineighbor_allgatherv = &MPI_Ineighbor_allgatherv_c;
 };
 #endif
 
@@ -343,6 +351,7 @@ class Rows {
   int64_t members() const { return members_; }
   int64_t capacity() const { return capacity_; }
   int64_t row_bytes() const { return bytes_; }
+  char* result() const { return bytes(out_); }
 
   // Checking mode: whether any rank's given counts differ from what the others
   // send it, learnt by every rank before the exchange could wait for rows that
@@ -554,11 +563,85 @@ ffi::Error alltoallv_counts(Call& call, Rows& rows, const Peers& peers, const Bu
   return rows.fit(sent_counts(sent, counting).total(), received->total());
 }
 
-// A copy of `values` in a buffer of `pending`'s, for MPI to read until it completes.
-template <typename T>
-const T* owned(Pending& pending, const std::vector<T>& values) {
-  return reinterpret_cast<const T*>(pending.own_copy(values.data(), values.size() * sizeof(T)));
-}
+// Where an exchange's rows go from and to. A blocking call: MPI's blocking
+// function on x and out themselves (Rows::destination). A start (`request` not
+// null): MPI's non-blocking function on buffers that the pending request owns
+// (requests.h): a copy of what this rank sends, the result, the rows arriving
+// (packed for a batch, or beyond capacity) and the count arrays, which MPI uses
+// until the request completes; the wait places the rows and reports the call's
+// error, after the exchange every rank took part in.
+class Transfer {
+ public:
+  Transfer(Call& call, int64_t comm_key, Rows& rows, const Buffer& x, const Sending& from,
+           const Counts& arriving, Result& out, Result* request)
+      : rows_(rows),
+        arriving_(arriving),
+        request_(request),
+        pending_{call.operation(), comm_key, call.checking()} {
+    if (!posting()) {
+      in = from.data;
+      into = rows.destination(arriving, scratch_);
+      return;
+    }
+    // (A batch with no rows to send packs none: x then, as for one member.)
+    in = from.packed.empty() ? pending_.own_copy(x.untyped_data(), x.size_bytes())
+                             : pending_.own_copy(from.packed.data(), from.packed.size());
+    result_ = pending_.own_result(out->size_bytes());
+    direct_ = !Blocks(arriving).packed() && rows.fits(arriving);
+    into =
+        direct_ ? result_ : pending_.own(static_cast<size_t>(arriving.total() * rows.row_bytes()));
+    if (direct_) place(result_, result_, arriving, rows.capacity(), rows.row_bytes());
+  }
+
+  bool posting() const { return request_ != nullptr; }
+  // What MPI's function reads `values` from: a copy the request owns for a start.
+  template <typename T>
+  const T* keep(const std::vector<T>& values) {
+    if (!posting()) return values.data();
+    return reinterpret_cast<const T*>(pending_.own_copy(values.data(), values.size() * sizeof(T)));
+  }
+  // MPI's function `blocking`, or `start` with the request, on `args`.
+  template <typename Blocking, typename Start, typename... Args>
+  int call(Blocking blocking, Start start, Args... args) {
+    return posting() ? start(args..., &pending_.requests.emplace_back()) : blocking(args...);
+  }
+
+  // Ends the call after MPI's function returned `code`: `counts` go to
+  // counts_out; the rows are placed now, or by the wait, which reports `error`
+  // (a start's own failure is only MPI's). With `defer` no error of its own.
+  ffi::Error end(int code, Result& counts_out, const Counts& counts, ffi::Error error, bool defer) {
+    JAXCOMM_CHECK_MPI(code, pending_.operation, rows_.comm());
+    write_counts(counts_out, counts);
+    if (!posting()) {
+      place(rows_.result(), into, arriving_, rows_.capacity(), rows_.row_bytes());
+      return defer ? ffi::Error::Success() : std::move(error);
+    }
+    pending_.finish = [result = result_, into = into, direct = direct_, capacity = rows_.capacity(),
+                       row_bytes = rows_.row_bytes(), members = arriving_.members(),
+                       per_member = arriving_.per_member(),
+                       values =
+                           std::vector<int>(arriving_.values().begin(), arriving_.values().end()),
+                       error = std::move(error),
+                       defer](Call&, const MPI_Status*, int32_t*) mutable {
+      if (!direct)
+        place(result, into, Counts(std::move(values), members, per_member), capacity, row_bytes);
+      return defer ? ffi::Error::Success() : std::move(error);
+    };
+    return post((*request_)->untyped_data(), std::move(pending_));
+  }
+
+  const char* in = nullptr;  // the rows this rank sends
+  char* into = nullptr;      // where the rows arriving go
+
+ private:
+  Rows& rows_;
+  const Counts& arriving_;
+  Result* request_;
+  Pending pending_;
+  std::vector<char> scratch_;
+  char* result_ = nullptr;
+  bool direct_ = false;
+};
 
 // Counts of rows per peer in the unit of `rows.fit`: a batch's per peer (all
 // members together, as they travel), or the one member's.
@@ -578,10 +661,13 @@ void zero_missing(const Peers& peers, const Rows& rows, const Counts& received, 
 }
 
 // alltoallv and neighbor_alltoallv: send_counts[j] rows to destination j, of
-// every rank (neighbors false) or of the graph's or grid's.
+// every rank (neighbors false) or of the graph's or grid's. With `request`, the
+// start of ialltoallv (ineighbor_alltoallv): the counts are known at the post
+// (given, or exchanged then with a blocking MPI_Alltoall) and returned at once.
 ffi::Error exchange_rows(bool neighbors, const Buffer& x, const Buffer& send_counts,
                          const Buffer& given_counts, Result& out, Result& recv_counts,
-                         int64_t comm_key, bool check, int32_t counting, int32_t defer) {
+                         Result* request, int64_t comm_key, bool check, int32_t counting,
+                         int32_t defer) {
   Call call(comm_key, check);
   const bool exchange = counting == kExchanged;
   Rows rows(call, x, out, batch_of(send_counts, 1), exchange, "recv_counts");
@@ -597,80 +683,19 @@ ffi::Error exchange_rows(bool neighbors, const Buffer& x, const Buffer& send_cou
   const Counts sent = sent_counts(*own, counting);
   const Counts& received = *received_counts;
   const Sending from = sending(rows, x, *own, counting);
-  std::vector<char> scratch;
-  char* into = rows.destination(received, scratch);
+  Transfer t(call, comm_key, rows, x, from, received, out, request);
   Blocks out_blocks(sent), in_blocks(received);
-  zero_missing(peers, rows, received, in_blocks, into);
+  zero_missing(peers, rows, received, in_blocks, t.into);
   const int code = rows.in_units([&]<typename C>(C) {
     const C send = per_peer<C>(rows, sent, out_blocks);
     const C recv = per_peer<C>(rows, received, in_blocks);
-    const auto function = neighbors ? Functions<C>::neighbor_alltoallv : Functions<C>::alltoallv;
-    return function(from.data, send.counts.data(), send.starts.data(), rows.type(), into,
-                    recv.counts.data(), recv.starts.data(), rows.type(), rows.comm());
+    return t.call(neighbors ? Functions<C>::neighbor_alltoallv : Functions<C>::alltoallv,
+                  neighbors ? Functions<C>::ineighbor_alltoallv : Functions<C>::ialltoallv, t.in,
+                  t.keep(send.counts), t.keep(send.starts), rows.type(), t.into,
+                  t.keep(recv.counts), t.keep(recv.starts), rows.type(), rows.comm());
   });
-  JAXCOMM_CHECK_MPI(code, call.operation(), rows.comm());
-  rows.settle(into, received, recv_counts);
-  auto error = rows.outcome(*own, pads(*own, counting), received);
-  return defer ? ffi::Error::Success() : std::move(error);
-}
-
-// Posts MPI_Ialltoallv (MPI_Ineighbor_alltoallv) on buffers the pending request
-// owns (requests.h): a copy of x, the result, and the count and displacement
-// arrays, which MPI reads until the request completes. The counts are known at
-// the post (given, or exchanged then with a blocking MPI_Alltoall) and returned
-// at once; an overflow or this rank's invalid counts are reported by the wait,
-// after the exchange every rank took part in. A batch's rows arrive packed and go
-// to their members at the wait.
-ffi::Error post_rows(bool neighbors, const Buffer& x, const Buffer& send_counts,
-                     const Buffer& given_counts, Result& out, Result& request, Result& recv_counts,
-                     int64_t comm_key, bool check, int32_t counting, int32_t defer) {
-  Call call(comm_key, check);
-  const bool exchange = counting == kExchanged;
-  Rows rows(call, x, out, batch_of(send_counts, 1), exchange, "recv_counts");
-  if (auto err = rows.take_error(); err.failure()) return err;
-  Peers peers;
-  if (auto err = Peers::of(rows.comm(), neighbors, call.operation(), &peers); err.failure())
-    return err;
-  std::optional<Counts> own, received_counts;
-  if (auto err = alltoallv_counts(call, rows, peers, send_counts, given_counts, counting, check,
-                                  own, received_counts);
-      err.failure())
-    return err;
-  const Counts sent = sent_counts(*own, counting);
-  const Counts& received = *received_counts;
-  write_counts(recv_counts, received);
-  Pending pending{call.operation(), comm_key, check};
-  const Sending from = sending(rows, x, *own, counting);
-  const char* in = from.packed.empty() ? pending.own_copy(x.untyped_data(), x.size_bytes())
-                                       : pending.own_copy(from.packed.data(), from.packed.size());
-  char* result = pending.own_result(out->size_bytes());
-  // The rows arrive in the result itself, or packed (a batch) or beyond capacity
-  // in a buffer of their own; the wait then places them.
-  const bool direct = !Blocks(received).packed() && rows.fits(received);
-  char* into =
-      direct ? result : pending.own(static_cast<size_t>(received.total() * rows.row_bytes()));
-  Blocks out_blocks(sent), in_blocks(received);
-  if (direct) place(result, result, received, rows.capacity(), rows.row_bytes());
-  zero_missing(peers, rows, received, in_blocks, into);
-  pending.finish = [result, into, direct, capacity = rows.capacity(), row_bytes = rows.row_bytes(),
-                    members = rows.members(), per_member = received.per_member(),
-                    values = std::vector<int>(received.values().begin(), received.values().end()),
-                    error = rows.outcome(*own, pads(*own, counting), received),
-                    defer](Call&, const MPI_Status*, int32_t*) mutable {
-    if (!direct)
-      place(result, into, Counts(std::move(values), members, per_member), capacity, row_bytes);
-    return defer ? ffi::Error::Success() : std::move(error);
-  };
-  const int code = rows.in_units([&]<typename C>(C) {
-    const C send = per_peer<C>(rows, sent, out_blocks);
-    const C recv = per_peer<C>(rows, received, in_blocks);
-    const auto function = neighbors ? Functions<C>::ineighbor_alltoallv : Functions<C>::ialltoallv;
-    return function(in, owned(pending, send.counts), owned(pending, send.starts), rows.type(), into,
-                    owned(pending, recv.counts), owned(pending, recv.starts), rows.type(),
-                    rows.comm(), &pending.requests.emplace_back());
-  });
-  JAXCOMM_CHECK_MPI(code, call.operation(), rows.comm());
-  return post(request->untyped_data(), std::move(pending));
+  return t.end(code, recv_counts, received, rows.outcome(*own, pads(*own, counting), received),
+               defer);
 }
 
 }  // namespace
@@ -678,29 +703,29 @@ ffi::Error post_rows(bool neighbors, const Buffer& x, const Buffer& send_counts,
 ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut, Result out,
                      Result recv_counts, int64_t comm_key, bool check, int32_t counting,
                      int32_t defer) {
-  return exchange_rows(false, x, send_counts, given_counts, out, recv_counts, comm_key, check,
-                       counting, defer);
+  return exchange_rows(false, x, send_counts, given_counts, out, recv_counts, nullptr, comm_key,
+                       check, counting, defer);
 }
 
 ffi::Error NeighborAlltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
                              Result out, Result recv_counts, int64_t comm_key, bool check,
                              int32_t counting, int32_t defer) {
-  return exchange_rows(true, x, send_counts, given_counts, out, recv_counts, comm_key, check,
-                       counting, defer);
+  return exchange_rows(true, x, send_counts, given_counts, out, recv_counts, nullptr, comm_key,
+                       check, counting, defer);
 }
 
 ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
                       Result out, Result request, Result /*keep*/, Result recv_counts,
                       int64_t comm_key, bool check, int32_t counting, int32_t defer) {
-  return post_rows(false, x, send_counts, given_counts, out, request, recv_counts, comm_key, check,
-                   counting, defer);
+  return exchange_rows(false, x, send_counts, given_counts, out, recv_counts, &request, comm_key,
+                       check, counting, defer);
 }
 
 ffi::Error IneighborAlltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
                               Result out, Result request, Result /*keep*/, Result recv_counts,
                               int64_t comm_key, bool check, int32_t counting, int32_t defer) {
-  return post_rows(true, x, send_counts, given_counts, out, request, recv_counts, comm_key, check,
-                   counting, defer);
+  return exchange_rows(true, x, send_counts, given_counts, out, recv_counts, &request, comm_key,
+                       check, counting, defer);
 }
 
 // allgatherv, neighbor_allgatherv and gatherv: each member's first `count` rows
@@ -709,8 +734,8 @@ ffi::Error IneighborAlltoallv(Token, Buffer x, Buffer send_counts, Buffer given_
 namespace {
 
 ffi::Error gather_rows(Call& call, bool neighbors, const Buffer& x, const Buffer& count,
-                       const Buffer& given_counts, Result& out, Result& counts_out, bool check,
-                       int32_t counting, bool defer, int root) {
+                       const Buffer& given_counts, Result& out, Result& counts_out, Result* request,
+                       int64_t comm_key, bool check, int32_t counting, bool defer, int root) {
   const bool exchange = counting == kExchanged;
   Rows rows(call, x, out, batch_of(count, 0), exchange, "counts");
   if (auto err = rows.take_error(); err.failure()) return err;
@@ -793,28 +818,24 @@ ffi::Error gather_rows(Call& call, bool neighbors, const Buffer& x, const Buffer
   const Counts& arriving = receives ? received : none;
   if (auto err = rows.fit(sent.total(), arriving.total()); err.failure()) return err;
   const Sending from = sending(rows, x, own, counting);
-  std::vector<char> scratch;
-  char* into = rows.destination(arriving, scratch);
+  Transfer t(call, comm_key, rows, x, from, arriving, out, request);
   Blocks in_blocks(arriving);
-  zero_missing(peers, rows, arriving, in_blocks, into);
+  zero_missing(peers, rows, arriving, in_blocks, t.into);
   const int code = rows.in_units([&]<typename C>(C) {
     const C recv = per_peer<C>(rows, arriving, in_blocks);
     const auto mine = rows.unit<typename C::Count>(sent.total());
-    if (everyone) {
-      const auto function =
-          neighbors ? Functions<C>::neighbor_allgatherv : Functions<C>::allgatherv;
-      return function(from.data, mine, rows.type(), into, recv.counts.data(), recv.starts.data(),
-                      rows.type(), comm);
-    }
-    return Functions<C>::gatherv(from.data, mine, rows.type(), into, recv.counts.data(),
-                                 recv.starts.data(), rows.type(), root, comm);
+    if (everyone)
+      return t.call(neighbors ? Functions<C>::neighbor_allgatherv : Functions<C>::allgatherv,
+                    neighbors ? Functions<C>::ineighbor_allgatherv : Functions<C>::iallgatherv,
+                    t.in, mine, rows.type(), t.into, t.keep(recv.counts), t.keep(recv.starts),
+                    rows.type(), comm);
+    return t.call(Functions<C>::gatherv, Functions<C>::igatherv, t.in, mine, rows.type(), t.into,
+                  t.keep(recv.counts), t.keep(recv.starts), rows.type(), root, comm);
   });
-  JAXCOMM_CHECK_MPI(code, call.operation(), rows.comm());
-  rows.settle(into, arriving, counts_out);
-  if (!receives) write_counts(counts_out, received);  // this rank's own
+  // Off the root the counts output holds this rank's own count (received).
   auto error = rows.outcome(own, pads(own, counting), arriving);
   if (error.success() && !everyone_fails.empty()) error = rows.refuse(everyone_fails);
-  return defer ? ffi::Error::Success() : std::move(error);
+  return t.end(code, counts_out, received, std::move(error), defer);
 }
 
 }  // namespace
@@ -823,16 +844,16 @@ ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenO
                       Result counts_out, int64_t comm_key, bool check, int32_t exchange,
                       int32_t defer) {
   Call call(comm_key, check);
-  return gather_rows(call, false, x, count, given_counts, out, counts_out, check, exchange, defer,
-                     -1);
+  return gather_rows(call, false, x, count, given_counts, out, counts_out, nullptr, comm_key, check,
+                     exchange, defer, -1);
 }
 
 ffi::Error NeighborAllgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
                               Result out, Result counts_out, int64_t comm_key, bool check,
                               int32_t exchange, int32_t defer) {
   Call call(comm_key, check);
-  return gather_rows(call, true, x, count, given_counts, out, counts_out, check, exchange, defer,
-                     -1);
+  return gather_rows(call, true, x, count, given_counts, out, counts_out, nullptr, comm_key, check,
+                     exchange, defer, -1);
 }
 
 ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
@@ -840,13 +861,16 @@ ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
                    int32_t defer) {
   Call call(comm_key, check);
   call.param("root", root);
-  return gather_rows(call, false, x, count, given_counts, out, counts_out, check, exchange, defer,
-                     root);
+  return gather_rows(call, false, x, count, given_counts, out, counts_out, nullptr, comm_key, check,
+                     exchange, defer, root);
 }
 
-ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut, Result out,
-                    Result count_out, int64_t comm_key, bool check, int32_t root, int32_t counting,
-                    int32_t defer) {
+namespace {
+
+// scatterv: root's counts[i] rows of each member to rank i.
+ffi::Error scatter_rows(const Buffer& x, const Buffer& counts, const Buffer& given_count,
+                        Result& out, Result& count_out, Result* request, int64_t comm_key,
+                        bool check, int32_t root, int32_t counting, int32_t defer) {
   Call call(comm_key, check);
   const bool exchange = counting == kExchanged;
   call.param("root", root);
@@ -882,20 +906,58 @@ ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut
   if (auto err = rows.fit(sent.total(), received.total()); err.failure()) return err;
   const Sending from = is_root ? sending(rows, x, *own, counting)
                                : Sending{static_cast<const char*>(x.untyped_data()), {}};
-  std::vector<char> scratch;
-  char* into = rows.destination(received, scratch);
+  Transfer t(call, comm_key, rows, x, from, received, out, request);
   Blocks out_blocks(sent);
   const int code = rows.in_units([&]<typename C>(C) {
     const C send =
         members > 1 ? rows.counted<C>(out_blocks.per_peer()) : rows.counted<C>(sent.member(0));
-    return Functions<C>::scatterv(from.data, send.counts.data(), send.starts.data(), rows.type(),
-                                  into, rows.unit<typename C::Count>(received.total()), rows.type(),
-                                  root, comm);
+    return t.call(Functions<C>::scatterv, Functions<C>::iscatterv, t.in, t.keep(send.counts),
+                  t.keep(send.starts), rows.type(), t.into,
+                  rows.unit<typename C::Count>(received.total()), rows.type(), root, comm);
   });
-  JAXCOMM_CHECK_MPI(code, call.operation(), rows.comm());
-  rows.settle(into, received, count_out);
-  auto error = rows.outcome(*own, pads(*own, counting), received);
-  return defer ? ffi::Error::Success() : std::move(error);
+  return t.end(code, count_out, received, rows.outcome(*own, pads(*own, counting), received),
+               defer);
+}
+
+}  // namespace
+
+ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut, Result out,
+                    Result count_out, int64_t comm_key, bool check, int32_t root, int32_t counting,
+                    int32_t defer) {
+  return scatter_rows(x, counts, given_count, out, count_out, nullptr, comm_key, check, root,
+                      counting, defer);
+}
+
+ffi::Error Iallgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
+                       Result request, Result /*keep*/, Result counts_out, int64_t comm_key,
+                       bool check, int32_t exchange, int32_t defer) {
+  Call call(comm_key, check);
+  return gather_rows(call, false, x, count, given_counts, out, counts_out, &request, comm_key,
+                     check, exchange, defer, -1);
+}
+
+ffi::Error IneighborAllgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
+                               Result out, Result request, Result /*keep*/, Result counts_out,
+                               int64_t comm_key, bool check, int32_t exchange, int32_t defer) {
+  Call call(comm_key, check);
+  return gather_rows(call, true, x, count, given_counts, out, counts_out, &request, comm_key, check,
+                     exchange, defer, -1);
+}
+
+ffi::Error Igatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
+                    Result request, Result /*keep*/, Result counts_out, int64_t comm_key,
+                    bool check, int32_t root, int32_t exchange, int32_t defer) {
+  Call call(comm_key, check);
+  call.param("root", root);
+  return gather_rows(call, false, x, count, given_counts, out, counts_out, &request, comm_key,
+                     check, exchange, defer, root);
+}
+
+ffi::Error Iscatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut, Result out,
+                     Result request, Result /*keep*/, Result count_out, int64_t comm_key,
+                     bool check, int32_t root, int32_t counting, int32_t defer) {
+  return scatter_rows(x, counts, given_count, out, count_out, &request, comm_key, check, root,
+                      counting, defer);
 }
 
 }  // namespace jaxcomm::mpi

@@ -61,6 +61,21 @@ ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, 
 ffi::Error IneighborAlltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
                               Result out, Result request, Result keep, Result recv_counts,
                               int64_t comm, bool check, int32_t exchange, int32_t defer);
+// The same of the gather family and scatterv; iallgatherv's count exchange (at
+// the post) carries the capacities, so that every rank's wait raises when any
+// rank's rows do not fit.
+ffi::Error Iallgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
+                       Result request, Result keep, Result counts, int64_t comm, bool check,
+                       int32_t exchange, int32_t defer);
+ffi::Error IneighborAllgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
+                               Result out, Result request, Result keep, Result counts, int64_t comm,
+                               bool check, int32_t exchange, int32_t defer);
+ffi::Error Igatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
+                    Result request, Result keep, Result counts, int64_t comm, bool check,
+                    int32_t root, int32_t exchange, int32_t defer);
+ffi::Error Iscatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut, Result out,
+                     Result request, Result keep, Result count, int64_t comm, bool check,
+                     int32_t root, int32_t exchange, int32_t defer);
 
 }  // namespace mpi
 }  // namespace jaxcomm
@@ -82,12 +97,23 @@ ffi::Error IneighborAlltoallv(Token, Buffer x, Buffer send_counts, Buffer given_
 
 // The starts, as nonblocking.h's: the result's buffer, the request, x passed
 // through, and the counts received.
-#define JAXCOMM_VARIABLE_SIZE_STARTS(X, base, A)                               \
-  X(ialltoallv, Ialltoallv,                                                    \
-    (variable_size<mpi::Buffer, mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)), \
-    A(int32_t, exchange) A(int32_t, defer))                                    \
-  X(ineighbor_alltoallv, IneighborAlltoallv,                                   \
-    (variable_size<mpi::Buffer, mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)), \
+#define JAXCOMM_VARIABLE_SIZE_STARTS(X, base, A)                                                   \
+  X(ialltoallv, Ialltoallv,                                                                        \
+    (variable_size<mpi::Buffer, mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)),                     \
+    A(int32_t, exchange) A(int32_t, defer))                                                        \
+  X(ineighbor_alltoallv, IneighborAlltoallv,                                                       \
+    (variable_size<mpi::Buffer, mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)),                     \
+    A(int32_t, exchange) A(int32_t, defer))                                                        \
+  X(iallgatherv, Iallgatherv,                                                                      \
+    (variable_size<mpi::Buffer, mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)),                     \
+    A(int32_t, exchange) A(int32_t, defer))                                                        \
+  X(igatherv, Igatherv, (variable_size<mpi::Buffer, mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)), \
+    A(int32_t, root) A(int32_t, exchange) A(int32_t, defer))                                       \
+  X(iscatterv, Iscatterv,                                                                          \
+    (variable_size<mpi::Buffer, mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)),                     \
+    A(int32_t, root) A(int32_t, exchange) A(int32_t, defer))                                       \
+  X(ineighbor_allgatherv, IneighborAllgatherv,                                                     \
+    (variable_size<mpi::Buffer, mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)),                     \
     A(int32_t, exchange) A(int32_t, defer))
 
 #endif  // JAXCOMM_VARIABLE_SIZE_H_

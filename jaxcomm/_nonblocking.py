@@ -167,11 +167,25 @@ OPERATIONS: dict[str, Nonblocking] = {
         _declare(_p2p.recv_p, RECEIVE),
         _declare(_variable_size.alltoallv_p, VARIABLE),
         _declare(_variable_size.neighbor_alltoallv_p, VARIABLE),
+        _declare(_variable_size.allgatherv_p, VARIABLE),
+        _declare(_variable_size.gatherv_p, VARIABLE),
+        _declare(_variable_size.scatterv_p, VARIABLE),
+        _declare(_variable_size.neighbor_allgatherv_p, VARIABLE),
     ]
 }
 
 
 # -- the wait --------------------------------------------------------------------------
+
+
+def _exchange(operation: str) -> _variable_size.Exchange:
+    """The blocking variable-size exchange of non-blocking `operation`."""
+    return _variable_size.EXCHANGES[operation.removeprefix("i")]
+
+
+def _rows(operation: str, x, counts) -> int:
+    """How many rows x of variable-size `operation` has, past any batch axis."""
+    return _variable_size.rows_of(x, counts[0], _exchange(operation).unbatched[0])
 
 
 def _wait_shapes(*operands, operation, **_):
@@ -304,11 +318,11 @@ def _start_jvp(operation):
         if not differentiable(x):
             outs = op.start.bind(x, *counts, **params)
             return outs, [zero_tangent(v) for v in outs]
-        # A variable-size primal leaves its error to the tangent's (see
-        # _variable_size's JVP rules): a rank that fails takes part in both.
-        outs = op.start.bind(
-            x, *counts, **({**params, "defer": True} if op.kind.counts else params)
-        )
+        # A variable-size primal leaves its error to the tangent's where its
+        # blocking form does (see _variable_size's JVP rules): a rank that fails
+        # takes part in both.
+        defer = op.kind.counts and _exchange(operation).defer
+        outs = op.start.bind(x, *counts, **({**params, "defer": True} if defer else params))
         zeros = [zero_tangent(v) for v in outs]
         if op.kind.counts:  # the tangent's rows travel as x's, to counts now known
             dots = op.start.bind(
@@ -401,6 +415,31 @@ def _pvaried(ct, comm, operation):
     return _replicated.pvary(ct, comm=comm)
 
 
+def _reversed_from_root(root, **_):
+    return {"exchange": _variable_size.REVERSED, "defer": False, "root": root}
+
+
+def _blocking_transpose(operation: str):
+    """The cotangent of x of variable-size `operation`, by its blocking transpose,
+    from the counts the start sent and received (or, `learn`, learnt again)."""
+    transpose = _variable_size.EXCHANGES[operation].transpose
+
+    def local(ct, *, comm, x, counts, learn, **params):
+        exchange = _variable_size.EXCHANGED if learn else _variable_size.MIRRORED
+        sent, received = _known(counts)
+        cts = [ct, None]
+        return transpose(cts, x, sent, received, comm=comm, **{**params, "exchange": exchange})[0]
+
+    return local
+
+
+def _known(counts: tuple) -> tuple:
+    """Count operands, with zeros in place of one not known (transposed as written)."""
+    return tuple(
+        jnp.zeros(c.aval.shape, c.aval.dtype) if ad.is_undefined_primal(c) else c for c in counts
+    )
+
+
 def _from_dest(**p):
     return {"source": p["dest"], "tag": p["tag"]}
 
@@ -441,6 +480,14 @@ ADJOINTS: dict[str, Adjoint] = {
         },
         over=_reversed,
     ),
+    # As the blocking transposes: gatherv's cotangent is scattered back, and
+    # scatterv's gathered (off the root, x was not read: zeros, _wait_transpose).
+    "igatherv": Adjoint("iscatterv", params=_reversed_from_root),
+    "iscatterv": Adjoint("igatherv", params=_reversed_from_root),
+    # No message (the replicated cotangent), and a sum of blocks not shaped like x
+    # (a blocking neighbor_alltoallv over the reversed graph): the blocking ones.
+    "iallgatherv": Adjoint(None, local=_blocking_transpose("allgatherv")),
+    "ineighbor_allgatherv": Adjoint(None, local=_blocking_transpose("neighbor_allgatherv")),
 }
 
 
@@ -450,19 +497,17 @@ def _adjoint_params(adjoint: Adjoint, kind: StartBuffers, params: dict, rows: in
     return {**adjoint.params(**params), **({"capacity": rows} if kind.counts else {})}
 
 
-def _swapped(counts: tuple, comm: CommInfo, learn: bool, params: dict) -> tuple:
+def _swapped(operation: str, counts: tuple, comm: CommInfo, learn: bool, params: dict) -> tuple:
     """A variable-size adjoint's count operands (none for other operations): it
     sends what arrived and receives what was sent. `learn`: what arrived is not
-    known (transposed as written), so one alltoall of the counts (a neighbour
-    exchange's: neighbor_alltoall) learns it."""
+    known (transposed as written), so the counts' small collective learns it."""
     if not counts:
         return ()
-    sent, received = counts
+    sent, received = _known(counts)
     if not learn:
         return received, sent
-    if "neighborhood" in params:
-        return _variable_size.neighbor_received_counts(sent, comm, params["neighborhood"]), sent
-    return _variable_size.received_counts(sent, comm), sent
+    name = _exchange(operation).primitive.operation
+    return _variable_size.learnt_counts(name, sent, received, comm=comm, **params), sent
 
 
 def _wait_transpose(cts, *operands, operation, comm, params):
@@ -475,8 +520,10 @@ def _wait_transpose(cts, *operands, operation, comm, params):
     _, keep, _, counts = _split_wait_operands(kind, operands)
     if not _linear(operation, params):
         raise NotImplementedError(f"{operation}: op={params['op'].name} is not linear")
+    learn = kind.counts and ad.is_undefined_primal(counts[1])
     if adjoint.local is not None:  # to the start's transpose, through keep or pending
-        local = adjoint.local(ct, comm=comm, **params)
+        rows = {"x": keep, "counts": counts, "learn": learn} if kind.counts else {}
+        local = adjoint.local(ct, comm=comm, **rows, **params)
         if kind.input:
             keep_ct = local
         else:
@@ -486,13 +533,12 @@ def _wait_transpose(cts, *operands, operation, comm, params):
         source = ct
         if source is None:  # isend: the cotangent comes back into a buffer like x
             source = jnp.zeros(operands[1].aval.shape, operands[1].aval.dtype)
-        rows = _variable_size.rows_of(keep, counts[0], 1) if kind.counts else 0
+        rows = _rows(operation, keep, counts) if kind.counts else 0
         a_comm, a_params = adjoint.over(comm, _adjoint_params(adjoint, kind, params, rows))
         a_params["posted"] = 0
         if operation == "irecv":  # see _p2p.refuse_derivative_of_reply
             a_params["cotangent"] = True
-        learn = kind.counts and ad.is_undefined_primal(counts[1])
-        swapped = _swapped(counts, comm, learn, params)
+        swapped = _swapped(operation, counts, comm, learn, params)
         outs = list(target.start.bind(source, *swapped, comm=a_comm, **a_params))
         a_pending = outs.pop(0) if target.kind.result else None
         request_ct = outs.pop(0)
@@ -501,6 +547,10 @@ def _wait_transpose(cts, *operands, operation, comm, params):
         # travel back to the start's transpose as the cotangents of keep and pending.
         if kind.input:
             keep_ct = a_pending
+            if a_pending.shape != keep.aval.shape:
+                # iscatterv off the root: its igatherv leaves no rows here, and x's
+                # cotangent is zeros, which that wait (writing nothing) returns.
+                keep_ct = jnp.zeros(keep.aval.shape, a_pending.dtype)
         if kind.result:
             pending_ct = a_keep
     present = [
@@ -527,10 +577,10 @@ def _start_transpose(operation):
             return [instantiate(keep_ct if op.kind.input else pending_ct), *no_counts]
         target = adjoint.operation
         a_kind = OPERATIONS[target].kind
-        rows = _variable_size.rows_of(x, counts[0], 1) if op.kind.counts else 0
+        rows = _rows(operation, x, counts) if op.kind.counts else 0
         a_comm, a_params = adjoint.over(comm, _adjoint_params(adjoint, op.kind, params, rows))
         learn = op.kind.counts and params["exchange"] == _variable_size.EXCHANGED
-        swapped = _swapped(counts, comm, learn, params)
+        swapped = _swapped(operation, counts, comm, learn, params)
         # As the wait's transpose passed them: the adjoint's pending came as keep's
         # cotangent, its kept data as pending's.
         outs = bind_wait(target, a_comm, a_params, request_ct, pending_ct, keep_ct, swapped)
@@ -550,7 +600,8 @@ def _start_batch(operation):
     def rule(args, dims, *, comm, **params):
         _p2p.refuse_derivative_of_reply(operation, params, "batching")
         if op.kind.counts:  # as the blocking exchange: one call, the batch first
-            operands, restore = _variable_size.batch_first(args, dims, (1, 1))
+            unbatched = _exchange(operation).unbatched
+            operands, restore = _variable_size.batch_first(args, dims, unbatched)
             outs = op.start.bind(*operands, comm=comm, **params)
             result, request, keep, received = outs
             return [restore(result), request, restore(keep), restore(received)], [0, None, 0, 0]

@@ -1,4 +1,5 @@
-"""Variable-size exchanges: alltoallv, allgatherv, gatherv and scatterv.
+"""Variable-size exchanges: alltoallv, allgatherv, gatherv and scatterv, and the
+neighbour exchanges; their non-blocking forms are jaxcomm._nonblocking's.
 
 Rows of x (its leading axis) travel, as many as int32 count operands say; the
 counts may be traced and change from call to call, and only the result's
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -154,9 +156,32 @@ def received_counts(sent, comm: CommInfo):
     return jnp.moveaxis(alltoall(_to_ranks(sent), comm=comm), 0, -1)
 
 
+def learnt_counts(operation: str, sent, received, *, comm: CommInfo, **params):
+    """The counts that exchange `operation` (made with exchange=EXCHANGED) received,
+    learnt again from the counts `sent` (one small collective): for an adjoint
+    transposed as written (jax.linear_transpose), where what arrived is not known.
+    `received` is the operand in its place, which ranks that learn nothing keep."""
+    if operation == "alltoallv":
+        return received_counts(sent, comm)
+    if operation == "neighbor_alltoallv":
+        return neighbor_received_counts(sent, comm, params["neighborhood"])
+    if operation == "allgatherv":
+        return jnp.moveaxis(allgather(sent, comm=comm), 0, -1)
+    if operation == "neighbor_allgatherv":
+        gathered = neighbor_allgather(sent, comm=comm, neighborhood=params["neighborhood"])
+        return jnp.moveaxis(gathered, 0, -1)
+    root = params["root"]
+    if operation == "gatherv":  # every rank takes part; the root learns the counts
+        gathered = jnp.moveaxis(gather(sent, comm=comm, root=root), 0, -1)
+        return gathered if comm.rank == root else received
+    # scatterv: the root's counts; the other ranks pass a template
+    mine = _to_ranks(sent) if comm.rank == root else sent[..., 0]
+    return scatter(mine, comm=comm, root=root)
+
+
 def _alltoallv_transpose(cts, x, send, recv, *, comm, capacity, exchange, defer):
     if exchange == EXCHANGED:  # transposed as written (jax.linear_transpose): learn what arrived
-        recv = received_counts(send, comm)
+        recv = learnt_counts("alltoallv", send, recv, comm=comm)
     back, _ = alltoallv_p.bind(
         instantiate(cts[0]),
         recv,
@@ -171,7 +196,7 @@ def _alltoallv_transpose(cts, x, send, recv, *, comm, capacity, exchange, defer)
 
 def _allgatherv_transpose(cts, x, count, counts, *, comm, capacity, exchange, defer):
     if exchange == EXCHANGED:
-        counts = jnp.moveaxis(allgather(count, comm=comm), 0, -1)
+        counts = learnt_counts("allgatherv", count, counts, comm=comm)
     ct = replicated_cotangent(instantiate(cts[0]), comm=comm, operation="allgatherv")
     ct = pvary(ct, comm=comm)
     batch = batch_of(count, 0)
@@ -183,9 +208,8 @@ def _allgatherv_transpose(cts, x, count, counts, *, comm, capacity, exchange, de
 
 
 def _gatherv_transpose(cts, x, count, counts, *, comm, root, capacity, exchange, defer):
-    if exchange == EXCHANGED:  # every rank takes part; the root learns the counts
-        gathered = jnp.moveaxis(gather(count, comm=comm, root=root), 0, -1)
-        counts = gathered if comm.rank == root else counts
+    if exchange == EXCHANGED:
+        counts = learnt_counts("gatherv", count, counts, comm=comm, root=root)
     back, _ = scatterv_p.bind(
         instantiate(cts[0]),
         counts,
@@ -200,9 +224,8 @@ def _gatherv_transpose(cts, x, count, counts, *, comm, root, capacity, exchange,
 
 
 def _scatterv_transpose(cts, x, counts, count, *, comm, root, capacity, exchange, defer):
-    if exchange == EXCHANGED:  # the root's counts; the other ranks pass a template
-        mine = _to_ranks(counts) if comm.rank == root else counts[..., 0]
-        count = scatter(mine, comm=comm, root=root)
+    if exchange == EXCHANGED:
+        count = learnt_counts("scatterv", counts, count, comm=comm, root=root)
     rows = rows_of(x, counts, 1)
     back, _ = gatherv_p.bind(
         instantiate(cts[0]),
@@ -232,7 +255,7 @@ def _neighbor_alltoallv_transpose(
     # Each source's rows go back to it over the reversed graph (on a grid, the
     # grid itself), with the counts swapped.
     if exchange == EXCHANGED:
-        recv = neighbor_received_counts(send, comm, neighborhood)
+        recv = learnt_counts("neighbor_alltoallv", send, recv, comm=comm, neighborhood=neighborhood)
     reverse, back = neighborhood.reversed(comm)
     rows, _ = neighbor_alltoallv_p.bind(
         instantiate(cts[0]),
@@ -268,8 +291,9 @@ def _neighbor_allgatherv_transpose(
     # copy it holds (a neighbor_alltoallv over the reversed graph, count rows from
     # each), and they add up. Each rank's own: no replicated-value convention.
     if exchange == EXCHANGED:
-        gathered = neighbor_allgather(count, comm=comm, neighborhood=neighborhood)
-        counts = jnp.moveaxis(gathered, 0, -1)
+        counts = learnt_counts(
+            "neighbor_allgatherv", count, counts, comm=comm, neighborhood=neighborhood
+        )
     reverse, back = neighborhood.reversed(comm)
     batch = batch_of(count, 0)
     rows = rows_of(x, count, 0)
@@ -348,20 +372,35 @@ def batch_first_or_broadcast(a, dim, size: int):
     return jnp.broadcast_to(a, (size, *a.shape))
 
 
-# Each with its transpose, the dimensions of its count operands unbatched, and
-# whether its primal exchange may defer its error to the tangent's. allgatherv's
-# may not: its transpose is no exchange, so under grad the error would be lost.
-for _primitive, _transpose, _unbatched, _defer in [
-    (alltoallv_p, _alltoallv_transpose, (1, 1), True),
-    (allgatherv_p, _allgatherv_transpose, (0, 1), False),
-    (gatherv_p, _gatherv_transpose, (0, 1), True),
-    (scatterv_p, _scatterv_transpose, (1, 0), True),
-    (neighbor_alltoallv_p, _neighbor_alltoallv_transpose, (1, 1), True),
-    (neighbor_allgatherv_p, _neighbor_allgatherv_transpose, (0, 1), True),
-]:
+class Exchange(NamedTuple):
+    """What drives a variable-size exchange's rules, and its non-blocking form's
+    (jaxcomm._nonblocking)."""
+
+    primitive: Any
+    transpose: Any
+    unbatched: tuple[int, int]  # the dimensions of its count operands, unbatched
+    # Whether its primal exchange may defer its error to the tangent's. allgatherv's
+    # may not: its transpose is no exchange, so under grad the error would be lost,
+    # and only its own exchange of counts learns that another rank overflows.
+    defer: bool
+
+
+EXCHANGES: dict[str, Exchange] = {
+    e.primitive.operation: e
+    for e in [
+        Exchange(alltoallv_p, _alltoallv_transpose, (1, 1), True),
+        Exchange(allgatherv_p, _allgatherv_transpose, (0, 1), False),
+        Exchange(gatherv_p, _gatherv_transpose, (0, 1), True),
+        Exchange(scatterv_p, _scatterv_transpose, (1, 0), True),
+        Exchange(neighbor_alltoallv_p, _neighbor_alltoallv_transpose, (1, 1), True),
+        Exchange(neighbor_allgatherv_p, _neighbor_allgatherv_transpose, (0, 1), True),
+    ]
+}
+
+for _e in EXCHANGES.values():
     define_rules(
-        _primitive,
-        jvp=_rows_travel_as_x(_primitive, _defer),
-        transpose=_transpose,
-        batch=_one_call_per_batch(_primitive, _unbatched),
+        _e.primitive,
+        jvp=_rows_travel_as_x(_e.primitive, _e.defer),
+        transpose=_e.transpose,
+        batch=_one_call_per_batch(_e.primitive, _e.unbatched),
     )

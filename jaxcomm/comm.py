@@ -70,6 +70,17 @@ def _alltoallv_counts(size: int, send_counts: Any, recv_counts: Any) -> tuple[di
     return {"send_counts": send_counts, "recv_counts": recv}, exchange
 
 
+class _Rows(NamedTuple):
+    """A variable-size exchange as a method passes it (JaxComm._variable_size,
+    _post_rows): its primitive, its count operands by name in order, how many
+    each holds and of whom where not one per rank (_rows_operands), its params."""
+
+    primitive: CommPrimitive
+    counts: dict[str, Any]
+    peers: dict[str, tuple[int, str]] | None
+    params: dict[str, Any]
+
+
 #: Parameters of blocking methods that their non-blocking forms do not take.
 _BLOCKING_ONLY = ("in_place",)
 
@@ -81,8 +92,10 @@ def _nonblocking_method(
     checked as the same operation declares them, posted (jaxcomm._requests)
     instead of run. `doc` is its docstring."""
     operation = "i" + blocking.__name__
-    # A variable-size exchange posts x's rows with their count operands.
+    # A variable-size exchange posts x's rows with the count operands its blocking
+    # form would pass (its `_<name>_rows`).
     rows = _nonblocking.OPERATIONS[operation].kind.counts
+    rows_of = f"_{blocking.__name__}_rows"
     signature = inspect.signature(blocking)
     # Non-blocking operations always work in buffers jaxcomm owns.
     signature = signature.replace(
@@ -107,7 +120,7 @@ def _nonblocking_method(
         params.update(kwargs)
         self, x = params.pop("self"), params.pop("x")
         if rows:
-            return self._post_rows(operation, x, **params)
+            return self._post_rows(operation, x, getattr(self, rows_of)(**params))
         return_status = params.pop("return_status", False)
         return _requests.post(operation, x, self._comm, params, return_status)
 
@@ -131,6 +144,8 @@ class JaxComm:
     checking mode: run-time verification of what ranks must agree on, such as the
     replicated cotangent that the gradient convention assumes.
     """
+
+    _Rows = _Rows  # for the topologies' variable-size methods
 
     def __init__(self, comm: MPI.Comm | JaxComm | None = None, *, check: bool | None = None):
         base = MPI.COMM_WORLD if comm is None else comm
@@ -322,19 +337,13 @@ class JaxComm:
         and of a copy where x is still used afterwards."""
         return self._apply(_collectives.alltoall_p, x, in_place=in_place)[0]
 
-    def _variable_size(
-        self,
-        primitive: CommPrimitive,
-        x: Any,
-        counts: dict[str, Any],
-        peers: dict[str, tuple[int, str]] | None = None,
-        **params: Any,
-    ) -> tuple[jax.Array, jax.Array]:
-        """A variable-size exchange of x's rows (jaxcomm._variable_size), its count
-        operands by name in order: all checked (`peers`: _rows_operands), then run."""
-        operands = self._rows_operands(primitive.operation, x, counts, params, peers)
-        params["defer"] = False  # only the JVP rules defer an error (_variable_size)
-        y, received = _dispatch.apply_to_arrays(primitive, operands, self._comm, params)
+    def _variable_size(self, x: Any, rows: _Rows) -> tuple[jax.Array, jax.Array]:
+        """A variable-size exchange of x's `rows` (jaxcomm._variable_size): all
+        checked (_rows_operands), then run."""
+        # Only the JVP rules defer an error (_variable_size).
+        params = {**rows.params, "defer": False}
+        operands = self._rows_operands(rows.primitive.operation, x, rows.counts, params, rows.peers)
+        y, received = _dispatch.apply_to_arrays(rows.primitive, operands, self._comm, params)
         return y, received
 
     def _rows_operands(
@@ -392,18 +401,23 @@ class JaxComm:
         is an error on that rank, which keeps none of them; the other ranks get
         their rows.
         """
+        rows = self._alltoallv_rows(send_counts, capacity=capacity, recv_counts=recv_counts)
+        return self._variable_size(x, rows)
+
+    def _alltoallv_rows(self, send_counts, *, capacity, recv_counts=None) -> _Rows:
         send_and_recv, exchange = _alltoallv_counts(self.size, send_counts, recv_counts)
-        return self._variable_size(
-            _variable_size.alltoallv_p, x, send_and_recv, capacity=capacity, exchange=exchange
+        return _Rows(
+            _variable_size.alltoallv_p,
+            send_and_recv,
+            None,
+            {"capacity": capacity, "exchange": exchange},
         )
 
-    def _post_rows(
-        self, operation: str, x: Any, send_counts: ArrayLike, *, capacity: int, recv_counts=None
-    ) -> Request:
-        """Post a variable-size exchange (ialltoallv), checked as its blocking twin."""
-        send_and_recv, exchange = _alltoallv_counts(self.size, send_counts, recv_counts)
-        params: dict[str, Any] = {"capacity": capacity, "exchange": exchange, "defer": False}
-        x, *operands = self._rows_operands(operation, x, send_and_recv, params)
+    def _post_rows(self, operation: str, x: Any, rows: _Rows) -> Request:
+        """Post the non-blocking form of a variable-size exchange on x's `rows`,
+        checked as its blocking twin."""
+        params = {**rows.params, "defer": False}
+        x, *operands = self._rows_operands(operation, x, rows.counts, params, rows.peers)
         return _requests.post_rows(operation, x, operands, self._comm, params)
 
     def allgatherv(
@@ -417,12 +431,12 @@ class JaxComm:
         rank (one ``MPI_Allgather`` learns them). More rows than ``capacity`` is
         an error on every rank.
         """
-        return self._variable_size(
-            _variable_size.allgatherv_p,
-            x,
-            {"count": count, "counts": _no_counts(self.size)},
-            capacity=capacity,
-            exchange=True,
+        return self._variable_size(x, self._allgatherv_rows(capacity=capacity, count=count))
+
+    def _allgatherv_rows(self, *, capacity, count=None) -> _Rows:
+        counts = {"count": count, "counts": _no_counts(self.size)}
+        return _Rows(
+            _variable_size.allgatherv_p, counts, None, {"capacity": capacity, "exchange": True}
         )
 
     def gatherv(
@@ -436,14 +450,12 @@ class JaxComm:
         came from each rank; on the other ranks y is ``(0, *s)`` and counts holds
         only their own count. More rows than ``capacity`` is an error on root.
         """
-        return self._variable_size(
-            _variable_size.gatherv_p,
-            x,
-            {"count": count, "counts": _no_counts(self.size)},
-            root=root,
-            capacity=capacity,
-            exchange=True,
-        )
+        return self._variable_size(x, self._gatherv_rows(root, capacity=capacity, count=count))
+
+    def _gatherv_rows(self, root=0, *, capacity, count=None) -> _Rows:
+        counts = {"count": count, "counts": _no_counts(self.size)}
+        params = {"root": root, "capacity": capacity, "exchange": True}
+        return _Rows(_variable_size.gatherv_p, counts, None, params)
 
     def scatterv(
         self, x: jax.Array, counts: ArrayLike | None, root: int = 0, *, capacity: int
@@ -456,16 +468,15 @@ class JaxComm:
         ``(capacity, *s)`` holds this rank's rows, then zeros; count (int32) how
         many. More rows than ``capacity`` is an error on that rank.
         """
+        return self._variable_size(x, self._scatterv_rows(counts, root, capacity=capacity))
+
+    def _scatterv_rows(self, counts, root=0, *, capacity) -> _Rows:
         if counts is None and self.rank == root:
             raise ValueError(f"scatterv: the root (rank {root}) must pass counts, not None")
         sending = _no_counts(self.size) if counts is None else counts
-        return self._variable_size(
-            _variable_size.scatterv_p,
-            x,
-            {"counts": sending, "count": np.int32(0)},
-            root=root,
-            capacity=capacity,
-            exchange=True,
+        params = {"root": root, "capacity": capacity, "exchange": True}
+        return _Rows(
+            _variable_size.scatterv_p, {"counts": sending, "count": np.int32(0)}, None, params
         )
 
     def send(self: Self, x: PyTree, dest: int, tag: int = 0) -> Self:
@@ -540,6 +551,25 @@ class JaxComm:
         "blocking ``MPI_Alltoall`` of ``size`` integers), so give them to overlap the whole "
         "exchange. An overflow of ``capacity`` or invalid ``send_counts`` are the wait's "
         "error, on that rank.",
+    )
+    iallgatherv = _nonblocking_method(
+        allgatherv,
+        "Post allgatherv (MPI_Iallgatherv); ``wait`` returns ``(y, counts)``. The post "
+        "exchanges the counts (one blocking ``MPI_Allgather``) and returns; more rows than "
+        "any rank's ``capacity``, or an invalid ``count`` on any rank, is every rank's error "
+        "at the wait.",
+    )
+    igatherv = _nonblocking_method(
+        gatherv,
+        "Post gatherv (MPI_Igatherv); ``wait`` returns ``(y, counts)``. The post exchanges "
+        "the counts (one blocking ``MPI_Gather``); an overflow of root's ``capacity`` is root's "
+        "error at the wait, an invalid ``count`` that rank's.",
+    )
+    iscatterv = _nonblocking_method(
+        scatterv,
+        "Post scatterv (MPI_Iscatterv); ``wait`` returns ``(y, count)``. The post exchanges "
+        "the counts (one blocking ``MPI_Scatter``); an overflow of ``capacity`` is that rank's "
+        "error at the wait, root's invalid ``counts`` root's.",
     )
     isend = _nonblocking_method(
         send,

@@ -33,7 +33,8 @@ class NeighborExchanges:
 
     _apply: Any
     _variable_size: Any
-    _rows_operands: Any
+    _post_rows: Any
+    _Rows: Any
     _comm: CommInfo
     _blocks_name: str  # how errors name the number of blocks x must have
     _neighborhood: Neighborhood  # set by the topology's __init__
@@ -83,10 +84,10 @@ class NeighborExchanges:
         rows than ``capacity`` arriving is an error on that rank, which keeps none
         of them; the other ranks get their rows.
         """
-        (counts, peers), params = self._alltoallv_counts(send_counts, recv_counts)
-        return self._variable_size(
-            _variable_size.neighbor_alltoallv_p, x, counts, peers, capacity=capacity, **params
+        rows = self._neighbor_alltoallv_rows(
+            send_counts, capacity=capacity, recv_counts=recv_counts
         )
+        return self._variable_size(x, rows)
 
     def neighbor_allgatherv(
         self, x: jax.Array, *, capacity: int, count: Any = None
@@ -101,15 +102,8 @@ class NeighborExchanges:
         nothing arrives from beyond a non-periodic edge (count 0). More rows than
         ``capacity`` is an error on that rank, which keeps none of them.
         """
-        hood = self._neighborhood
         return self._variable_size(
-            _variable_size.neighbor_allgatherv_p,
-            x,
-            {"count": count, "counts": _variable_size.no_counts(hood.sources)},
-            {"count": (None, ""), "counts": (hood.sources, "source")},
-            capacity=capacity,
-            exchange=True,
-            neighborhood=hood,
+            x, self._neighbor_allgatherv_rows(capacity=capacity, count=count)
         )
 
     def ineighbor_alltoallv(
@@ -121,24 +115,45 @@ class NeighborExchanges:
         ``MPI_Neighbor_alltoall`` of one integer per neighbour), so give them to
         overlap the whole exchange. An overflow of ``capacity`` or invalid
         ``send_counts`` are the wait's error, on that rank."""
-        (counts, peers), params = self._alltoallv_counts(send_counts, recv_counts)
-        params.update(capacity=capacity, defer=False)
-        x, *operands = self._rows_operands("ineighbor_alltoallv", x, counts, params, peers)
-        return _requests.post_rows("ineighbor_alltoallv", x, operands, self._comm, params)
+        rows = self._neighbor_alltoallv_rows(
+            send_counts, capacity=capacity, recv_counts=recv_counts
+        )
+        return self._post_rows("ineighbor_alltoallv", x, rows)
 
-    def _alltoallv_counts(self, send_counts: Any, recv_counts: Any) -> tuple[tuple, dict]:
-        """neighbor_alltoallv's count operands by name and how many each holds;
-        the params that say whether the call exchanges them, and where."""
+    def ineighbor_allgatherv(
+        self, x: jax.Array, *, capacity: int, count: Any = None
+    ) -> _requests.Request:
+        """Post neighbor_allgatherv (``MPI_Ineighbor_allgatherv``); ``wait`` returns
+        ``(y, counts)``. The post exchanges the counts (one blocking
+        ``MPI_Neighbor_allgather`` of one integer); an overflow of ``capacity`` is
+        that rank's error at the wait, an invalid ``count`` that rank's."""
+        rows = self._neighbor_allgatherv_rows(capacity=capacity, count=count)
+        return self._post_rows("ineighbor_allgatherv", x, rows)
+
+    def _neighbor_alltoallv_rows(self, send_counts: Any, *, capacity: int, recv_counts: Any = None):
+        """neighbor_alltoallv's count operands, how many each holds, its params
+        (exchanged unless recv_counts is given)."""
         hood = self._neighborhood
         exchange = recv_counts is None
         recv = _variable_size.no_counts(hood.sources) if exchange else recv_counts
-        return (
+        return self._Rows(
+            _variable_size.neighbor_alltoallv_p,
             {"send_counts": send_counts, "recv_counts": recv},
             {
                 "send_counts": (hood.destinations, "destination"),
                 "recv_counts": (hood.sources, "source"),
             },
-        ), {"exchange": exchange, "neighborhood": hood}
+            {"capacity": capacity, "exchange": exchange, "neighborhood": hood},
+        )
+
+    def _neighbor_allgatherv_rows(self, *, capacity: int, count: Any = None):
+        hood = self._neighborhood
+        return self._Rows(
+            _variable_size.neighbor_allgatherv_p,
+            {"count": count, "counts": _variable_size.no_counts(hood.sources)},
+            {"count": (None, ""), "counts": (hood.sources, "source")},
+            {"capacity": capacity, "exchange": True, "neighborhood": hood},
+        )
 
     def ineighbor_allgather(self, x: PyTree) -> _requests.Request:
         """Post neighbor_allgather (``MPI_Ineighbor_allgather``); ``wait`` returns

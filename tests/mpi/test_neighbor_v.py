@@ -426,3 +426,77 @@ def test_posted_exchange_overlaps_a_jitted_loop(comm, graphs):
     want, want_acc = step(False)(x)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(acc, want_acc)
+
+
+def posted_gather(on):
+    """on.neighbor_allgatherv as its non-blocking form, posted and waited."""
+    return lambda x, **kw: on.wait(on.ineighbor_allgatherv(x, **kw))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_posted_allgatherv_matches_blocking(comm, graphs, mode):
+    run = jax.jit if mode == "jit" else (lambda f: f)
+    count = gathered_count(comm.rank)
+    x = jnp.asarray(rows(comm.rank, count, "float64", (3,)))
+    cart = comm.create_cart([comm.size], [False])
+    for on in [graph for graph, _ in graphs.values()] + [cart]:
+        got = run(lambda x, on=on: posted_gather(on)(x, capacity=CAPACITY, count=count))(x)
+        want = on.neighbor_allgatherv(x, capacity=CAPACITY, count=count)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+    cart.free()
+
+
+def test_posted_allgatherv_derivatives_vmap_and_loop(comm, graphs):
+    graph, _ = graphs["random_graph"]
+    count = gathered_count(comm.rank)
+    x = jnp.asarray(rows(comm.rank, count, "float64"))
+    blocking = lambda x: graph.neighbor_allgatherv(x, capacity=CAPACITY, count=count)[0]  # noqa: E731
+    post = lambda x: posted_gather(graph)(x, capacity=CAPACITY, count=count)[0]  # noqa: E731
+    t = jnp.asarray(np.random.default_rng(comm.rank).normal(size=x.shape))
+    np.testing.assert_array_equal(jax.jvp(post, (x,), (t,))[1], jax.jvp(blocking, (x,), (t,))[1])
+    loss = lambda f: lambda x: jnp.sum(jnp.sin(f(x)))  # noqa: E731
+    np.testing.assert_array_equal(jax.jit(jax.grad(loss(post)))(x), jax.grad(loss(blocking))(x))
+    # counts batched on the odd ranks only
+    xs = jnp.stack([x, 2 * x, 3 * x])
+    counts = np.array([count, 0, 1][:3] if comm.rank % 2 else [count] * 3, np.int32)
+    counts = np.minimum(counts, count)
+    got = jax.jit(jax.vmap(lambda x, c: posted_gather(graph)(x, capacity=CAPACITY, count=c)))(
+        xs, counts
+    )
+    want = jax.vmap(lambda x, c: graph.neighbor_allgatherv(x, capacity=CAPACITY, count=c))(
+        xs, counts
+    )
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+    def body(i, acc):
+        request = graph.ineighbor_allgatherv(x, capacity=CAPACITY, count=count)
+        busy = jnp.sum(jnp.cos(acc))  # computation meanwhile
+        y, _ = graph.wait(request)
+        return acc + y + 0 * busy
+
+    total = jax.jit(lambda: jax.lax.fori_loop(0, 3, body, jnp.zeros((CAPACITY, 2))))()
+    np.testing.assert_array_equal(total, 3 * blocking(x))
+
+
+def test_posted_allgatherv_errors_on_that_rank_at_the_wait(comm, graphs):
+    """Rank 0's invalid count, rank 1's overflow: each raises at its wait; the
+    others get their rows."""
+    graph, _ = graphs["ring_and_self"]  # sources: previous rank, itself
+    x = jnp.asarray(rows(comm.rank, 3))
+    whole, _ = graph.neighbor_allgatherv(x, capacity=CAPACITY, count=3)
+    bad = np.int64(-3 if comm.rank == 0 else 3)
+    request = graph.ineighbor_allgatherv(x, capacity=CAPACITY, count=bad)
+    if comm.rank == 0:
+        with pytest.raises(Exception, match=r"ineighbor_allgatherv.*count.*-3"):
+            graph.wait(request)
+    else:
+        graph.wait(request)
+    capacity = 5 if comm.rank == comm.size - 1 else 6  # two sources of 3 rows
+    request = graph.ineighbor_allgatherv(x, capacity=capacity, count=3)
+    if comm.rank == comm.size - 1:
+        with pytest.raises(Exception, match=r"more than capacity=5"):
+            jax.block_until_ready(graph.wait(request))
+    else:
+        np.testing.assert_array_equal(graph.wait(request)[0], whole[:6])

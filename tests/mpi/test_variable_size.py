@@ -2,6 +2,8 @@
 rows are derived from its rank, so each rank computes what every other rank
 sends it."""
 
+from contextlib import nullcontext
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -521,3 +523,191 @@ def test_derivatives_in_checking_mode_verify_the_known_counts(comm):
 
     np.testing.assert_allclose(jax.grad(loss(checking))(x), jax.grad(loss(comm))(x))
     checking.free()
+
+
+# -- iallgatherv, igatherv, iscatterv: each against its blocking form ------------------
+
+
+def gather_family(comm, count, root=0):
+    """(name, blocking, posted and waited) of allgatherv, gatherv and scatterv, each
+    x -> (y, counts) with this rank's `count` (scatterv: root's counts of all)."""
+    capacity = int(all_counts(comm.size).sum()) + 1
+    at_root = capacity if comm.rank == root else 0
+    counts = all_counts(comm.size) if comm.rank == root else None
+    mine = int(all_counts(comm.size).max())
+    return [
+        (
+            "allgatherv",
+            lambda x: comm.allgatherv(x, capacity=capacity, count=count),
+            lambda x: comm.wait(comm.iallgatherv(x, capacity=capacity, count=count)),
+        ),
+        (
+            "gatherv",
+            lambda x: comm.gatherv(x, root, capacity=at_root, count=count),
+            lambda x: comm.wait(comm.igatherv(x, root, capacity=at_root, count=count)),
+        ),
+        (
+            "scatterv",
+            lambda x: comm.scatterv(stacked_or(comm, x, root), counts, root, capacity=mine),
+            lambda x: comm.wait(
+                comm.iscatterv(stacked_or(comm, x, root), counts, root, capacity=mine)
+            ),
+        ),
+    ]
+
+
+def stacked_or(comm, x, root):
+    """scatterv's x from a rank's rows: root's rows of every rank (x scaled, so
+    that derivatives flow through), a template elsewhere."""
+    if comm.rank != root:
+        return x
+    rows = int(all_counts(comm.size).sum())
+    return jnp.concatenate([jnp.asarray(stacked(comm.size, rows)), x]) * x[0, 0]
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_nonblocking_gather_family_matches_blocking(comm, mode):
+    x = jnp.asarray(own_rows(comm.rank))
+    for name, blocking, posted in gather_family(comm, own_count(comm.rank)):
+        fn = jax.jit(posted) if mode == "jit" else posted
+        (y, got), (want, want_counts) = fn(x), blocking(x)
+        assert_values(y, want), name
+        assert_values(got, want_counts), name
+
+
+def test_nonblocking_gather_family_jvp_grad_and_vmap(comm):
+    """jvp and grad equal the blocking form's; vmap with counts that vary across
+    the batch on some ranks only is one call, each member's own."""
+    x = jnp.asarray(own_rows(comm.rank))
+    t = 3 * x + 1
+    count = own_count(comm.rank)
+    for name, blocking, posted in gather_family(comm, count):
+        y, dy = jax.jit(lambda x, t, f=posted: jax.jvp(lambda x: f(x)[0], (x,), (t,)))(x, t)
+        want, want_dy = jax.jvp(lambda x, f=blocking: f(x)[0], (x,), (t,))
+        assert_values(y, want), name
+        assert_values(dy, want_dy), name
+        w = 1.0 + jnp.arange(want.size, dtype=jnp.float32).reshape(want.shape)
+        loss = lambda x, f=posted, w=w: jnp.sum(f(x)[0] * w)  # noqa: E731
+        want_grad = jax.grad(lambda x, f=blocking, w=w: jnp.sum(f(x)[0] * w))(x)
+        assert_values(jax.grad(loss)(x), want_grad), name
+        assert_values(jax.jit(jax.grad(loss))(x), want_grad), name
+    # count batched on the odd ranks only
+    batch = jnp.stack([x, 2 * x, 3 * x])
+    counts = np.array([count, 1, 0] if comm.rank % 2 else [count] * 3, np.int32)
+    capacity = int(all_counts(comm.size).sum()) + 1
+    at_root = capacity if comm.rank == 0 else 0
+    for blocking, posted in [
+        (
+            lambda x, c: comm.allgatherv(x, capacity=capacity, count=c),
+            lambda x, c: comm.wait(comm.iallgatherv(x, capacity=capacity, count=c)),
+        ),
+        (
+            lambda x, c: comm.gatherv(x, 0, capacity=at_root, count=c),
+            lambda x, c: comm.wait(comm.igatherv(x, 0, capacity=at_root, count=c)),
+        ),
+    ]:
+        got = jax.jit(jax.vmap(posted))(batch, counts)
+        want = jax.vmap(blocking)(batch, counts)
+        assert_values(got[0], want[0])
+        assert_values(got[1], want[1])
+
+
+def test_iscatterv_vmap_with_root_counts_batched(comm):
+    sent = all_counts(comm.size)
+    root_counts = np.stack([sent, sent[::-1], np.zeros_like(sent)])
+    xs = jnp.asarray(stacked(comm.size, int(sent.sum())))
+    mine = int(sent.max())
+    if comm.rank == 0:
+        got = jax.jit(jax.vmap(lambda x, c: comm.wait(comm.iscatterv(x, c, 0, capacity=mine))))(
+            jnp.stack([xs, 2 * xs, xs]), root_counts
+        )
+        want = jax.vmap(lambda x, c: comm.scatterv(x, c, 0, capacity=mine))(
+            jnp.stack([xs, 2 * xs, xs]), root_counts
+        )
+    else:
+        template = jnp.zeros((3, 1, 2), xs.dtype)
+        got = jax.jit(jax.vmap(lambda x: comm.wait(comm.iscatterv(x, None, 0, capacity=mine))))(
+            template
+        )
+        want = jax.vmap(lambda x: comm.scatterv(x, None, 0, capacity=mine))(template)
+    assert_values(got[0], want[0])
+    assert_values(got[1], want[1])
+
+
+def test_nonblocking_gather_family_overlaps_computation_in_a_loop(comm):
+    x = jnp.asarray(own_rows(comm.rank))
+    count = own_count(comm.rank)
+    for name, blocking, posted in gather_family(comm, count):
+        want = blocking(x)[0]
+
+        def step(i, total, posted=posted):
+            y, _ = posted(x)  # post, compute meanwhile, wait
+            return total + y + 0 * jnp.sum(jnp.sin(x + i))
+
+        total = jax.jit(lambda p=step, w=want: jax.lax.fori_loop(0, 3, p, jnp.zeros_like(w)))()
+        assert_values(total, 3 * want), name
+
+
+def _posted_in_a_step(comm, post):
+    """post() and its wait with computation between them, in a jitted fori_loop."""
+
+    def step(i, total):
+        request = post()
+        busy = jnp.float32(i) * 0
+        y, _ = comm.wait(request)
+        return total + jnp.sum(y) + busy
+
+    return jax.jit(lambda: jax.lax.fori_loop(0, 2, step, jnp.float32(0)))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_nonblocking_gather_family_errors_at_the_wait(comm, mode):
+    """Overflow and invalid counts on one rank: that rank's wait raises, the others
+    get their rows; iallgatherv's every rank raises. The next call works."""
+    x = jnp.asarray(rank_data(comm.rank, (2, 2)))
+    run = (lambda f: jax.block_until_ready(jax.jit(f)())) if mode == "jit" else (lambda f: f())
+    last = comm.size - 1
+    # iallgatherv: rank `last` has too small a capacity, or rank 0 a bad count
+    short = 2 * comm.size - (1 if comm.rank == last else 0)
+    with pytest.raises(Exception, match=r"capacity=|add up to \d+ rows"):
+        run(lambda: comm.wait(comm.iallgatherv(x, capacity=short)))
+    bad = 3 if comm.rank == 0 else 1
+    with pytest.raises(Exception, match=r"count=\[3\]|rank 0.s count was refused"):
+        run(lambda: comm.wait(comm.iallgatherv(x, capacity=2 * comm.size, count=bad)))
+    # igatherv: root overflows; rank `last`'s count is invalid
+    if comm.size > 1:
+        count = 3 if comm.rank == last else 2
+        fn = lambda: comm.wait(comm.igatherv(x, 0, capacity=2 * comm.size, count=count))  # noqa: E731
+        if comm.rank == last:
+            with pytest.raises(Exception, match=r"count=\[3\] add up to more than x.s 2 rows"):
+                run(fn)
+        else:
+            y, got = run(fn)
+            if comm.rank == 0:
+                assert list(np.asarray(got)) == [2] * last + [0]
+    overflow = comm.rank == 0  # root's capacity is one row short
+    short = 2 * comm.size - 1 if overflow else 0
+    with pytest.raises(Exception, match="more than capacity=") if overflow else nullcontext():
+        run(lambda: comm.wait(comm.igatherv(x, 0, capacity=short)))
+    # iscatterv: rank `last` overflows; root's bad counts
+    counts = np.full(comm.size, 2, np.int32)
+    xs = jnp.asarray(rank_data(0, (2 * comm.size, 2)))
+    capacity = 1 if comm.rank == last else 2
+    sent = counts if comm.rank == 0 else None
+    fn = lambda: comm.wait(comm.iscatterv(xs, sent, 0, capacity=capacity))  # noqa: E731
+    if comm.rank == last:
+        with pytest.raises(Exception, match=r"more than capacity=1"):
+            run(fn)
+    else:
+        y, _ = run(fn)
+        assert_values(y, np.asarray(xs)[2 * comm.rank : 2 * comm.rank + 2])
+    bad_counts = np.full(comm.size, -1, np.int32) if comm.rank == 0 else None
+    fn = lambda: comm.wait(comm.iscatterv(xs, bad_counts, 0, capacity=2))  # noqa: E731
+    if comm.rank == 0:
+        with pytest.raises(Exception, match=r"counts=\[-1"):
+            run(fn)
+    else:
+        y, got = run(fn)
+        assert int(got) == 0
+    y, _ = comm.wait(comm.iallgatherv(x, capacity=2 * comm.size))
+    assert_values(y[:2], rank_data(0, (2, 2)))
