@@ -77,10 +77,16 @@ def test_ordering_suites_through_jaxcomm_jit(nprocs):
     )
 
 
+# The generated misuse examples per property in the runs that repeat the suite
+# under other settings: the settings are what those runs test, and the first
+# runs above draw the default number.
+FEWER_EXAMPLES = {"JAXCOMM_MISUSE_EXAMPLES": "2"}
+
+
 @pytest.mark.matrix
 def test_mpi_suite_eager_through_jax():
     # JAXCOMM_EAGER=jit sends eager calls through JAX's dispatch, not the direct path.
-    run_suite(2, str(HERE / "mpi"), "not slow", env={"JAXCOMM_EAGER": "jit"})
+    run_suite(2, str(HERE / "mpi"), "not slow", env={"JAXCOMM_EAGER": "jit", **FEWER_EXAMPLES})
 
 
 @pytest.mark.matrix
@@ -99,7 +105,7 @@ def is_mpich() -> bool:
 @pytest.mark.matrix
 @pytest.mark.skipif(not is_mpich(), reason="MPICH's network module is MPICH's")
 def test_mpi_suite_over_the_network_module():
-    run_suite(3, str(HERE / "mpi"), "not slow", env=NETWORK)
+    run_suite(3, str(HERE / "mpi"), "not slow", env={**NETWORK, **FEWER_EXAMPLES})
 
 
 def has_cuda_module() -> bool:
