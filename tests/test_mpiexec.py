@@ -1,8 +1,8 @@
 """Runs the per-rank suite in tests/mpi under mpiexec: the whole suite on 1 to 3
 ranks, every collective at every size on 4 to 9 ranks, and the configurations
-that only CI's first environment needs (marked `matrix`): eager calls through
-JAX's dispatch, messages over 2^31 - 1 elements, and MPICH's traffic through its
-network module."""
+that only CI's first environment needs (marked `matrix`): the suite on 1 rank,
+eager calls through JAX's dispatch, messages over 2^31 - 1 elements, and MPICH's
+traffic through its network module (the suites that exchange messages)."""
 
 import importlib.util
 import re
@@ -47,9 +47,28 @@ def run_suite(
     assert not re.search(r"\d+ (failed|error)", result.stdout), result.stdout[-5000:]
 
 
-@pytest.mark.parametrize("nprocs", [1, 2, 3])
+# One rank makes few messages: the first environment runs it, the others (another
+# JAX, another MPI) the suites that exchange.
+@pytest.mark.parametrize("nprocs", [pytest.param(1, marks=pytest.mark.matrix), 2, 3])
 def test_mpi_suite(nprocs):
     run_suite(nprocs, str(HERE / "mpi"), "not slow")
+
+
+def files(*names: str) -> list[str]:
+    return [str(HERE / "mpi" / f"test_{name}.py") for name in names]
+
+
+# What a message's way through MPI can change: each family's exchanges at every
+# size, point to point and requests, and the generated misuse.
+EXCHANGES = files(
+    "collectives", "p2p", "reductions", "sizes", "nonblocking", "request_safety",
+    "variable_size", "counts", "graph", "neighbor_v", "checking", "misuse",
+)  # fmt: skip
+# What runs eagerly: every family's eager calls.
+EAGER = files(
+    "eager", "collectives", "p2p", "reductions", "nonblocking", "variable_size", "counts",
+    "graph", "neighbor_v", "in_place", "errors",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("nprocs", [4, 5, 6, 7, 8, 9])
@@ -86,7 +105,7 @@ FEWER_EXAMPLES = {"JAXCOMM_MISUSE_EXAMPLES": "2"}
 @pytest.mark.matrix
 def test_mpi_suite_eager_through_jax():
     # JAXCOMM_EAGER=jit sends eager calls through JAX's dispatch, not the direct path.
-    run_suite(2, str(HERE / "mpi"), "not slow", env={"JAXCOMM_EAGER": "jit", **FEWER_EXAMPLES})
+    run_suite(2, EAGER, "not slow", env={"JAXCOMM_EAGER": "jit", **FEWER_EXAMPLES})
 
 
 @pytest.mark.matrix
@@ -105,7 +124,7 @@ def is_mpich() -> bool:
 @pytest.mark.matrix
 @pytest.mark.skipif(not is_mpich(), reason="MPICH's network module is MPICH's")
 def test_mpi_suite_over_the_network_module():
-    run_suite(3, str(HERE / "mpi"), "not slow", env={**NETWORK, **FEWER_EXAMPLES})
+    run_suite(3, EXCHANGES, "not slow", env={**NETWORK, **FEWER_EXAMPLES})
 
 
 def has_cuda_module() -> bool:
