@@ -50,6 +50,10 @@ def resident_bytes() -> int:
 
 
 def test_ten_thousand_small_ops_do_not_grow_memory(comm):
+    # What a call keeps is per process and the same whatever the number of ranks:
+    # two ranks exchange real messages, more would only lengthen the run.
+    if comm.size != 2:
+        pytest.skip("measured on 2 ranks")
     step = jax.jit(lambda x: comm.allreduce(x) / comm.size)
     x = jnp.ones(4)
     for _ in range(500):  # warm-up: compilation, allocator pools
