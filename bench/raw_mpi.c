@@ -112,7 +112,8 @@ double raw_mpi_time(const char* op, MPI_Fint comm_f, float* a, float* b, int cou
     int* counts = malloc(4 * sizeof(int) * (size_t)size);
     int *send = counts, *send_at = counts + size, *recv = counts + 2 * size,
         *recv_at = counts + 3 * size;
-    for (int d = 0; d < size; ++d) send[d] = !strcmp(op, "alltoallv_skew") && rank == 0 ? 10 * count : count;
+    for (int d = 0; d < size; ++d)
+      send[d] = !strcmp(op, "alltoallv_skew") && rank == 0 ? 10 * count : count;
     for (int i = 0; i < iters; ++i) {
       MPI_Alltoall(send, 1, MPI_INT, recv, 1, MPI_INT, comm);
       send_at[0] = recv_at[0] = 0;

@@ -29,12 +29,11 @@ bool read_as_ints(const void* data, size_t n, std::vector<int>& out) {
   return valid;
 }
 
-// The values of an integer buffer as text, as passed (unsigned ones unsigned).
+// Integer values as text, as passed (unsigned ones unsigned).
 template <typename T>
-std::string text_of(const void* data, size_t n) {
-  const T* values = static_cast<const T*>(data);
+std::string text_of(std::span<const T> values) {
   std::string text = "[";
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < values.size(); ++i) {
     text += i ? ", " : "";
     if constexpr (sizeof(T) == 1)
       text += std::to_string(static_cast<int>(values[i]));
@@ -48,43 +47,25 @@ std::string text_of(const void* data, size_t n) {
 // false if it is not an integer dtype.
 template <typename F>
 bool with_integer_type(ffi::DataType dtype, F&& f) {
-  switch (dtype) {
-    case ffi::DataType::S8:
-      f.template operator()<int8_t>();
-      return true;
-    case ffi::DataType::S16:
-      f.template operator()<int16_t>();
-      return true;
-    case ffi::DataType::S32:
-      f.template operator()<int32_t>();
-      return true;
-    case ffi::DataType::S64:
-      f.template operator()<int64_t>();
-      return true;
-    case ffi::DataType::U8:
-      f.template operator()<uint8_t>();
-      return true;
-    case ffi::DataType::U16:
-      f.template operator()<uint16_t>();
-      return true;
-    case ffi::DataType::U32:
-      f.template operator()<uint32_t>();
-      return true;
-    case ffi::DataType::U64:
-      f.template operator()<uint64_t>();
-      return true;
-    default:
-      return false;
-  }
+  bool integer = false;
+  visit_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      f.template operator()<T>();
+      integer = true;
+    }
+  });
+  return integer;
+}
+
+// The rows that `counts` add up to.
+int64_t rows_in(std::span<const int> counts) {
+  return std::accumulate(counts.begin(), counts.end(), int64_t{0});
 }
 
 }  // namespace
 
-std::string counts_text(std::span<const int> counts) {
-  std::string text = "[";
-  for (size_t i = 0; i < counts.size(); ++i) text += (i ? ", " : "") + std::to_string(counts[i]);
-  return text + "]";
-}
+std::string counts_text(std::span<const int> counts) { return text_of(counts); }
 
 Counts::Counts(const Buffer& buffer, std::string_view name, int64_t members, int64_t per_member)
     : buffer_(&buffer), name_(name), members_(members), per_member_(per_member) {
@@ -126,8 +107,7 @@ Counts Counts::view(std::span<const int> values, int64_t members, int64_t per_me
 void Counts::within(int64_t rows) {
   if (!valid()) return;
   for (int64_t b = 0; b < members_; ++b) {
-    const auto counts = member(b);
-    if (std::accumulate(counts.begin(), counts.end(), int64_t{0}) > rows) {
+    if (rows_in(member(b)) > rows) {
       asked_owned_.assign(values_.begin(), values_.end());
       asked_ = asked_owned_;
       owned_.assign(values_.size(), 0);
@@ -143,22 +123,18 @@ void Counts::within(int64_t rows) {
 
 int64_t Counts::most() const {
   int64_t most = 0;
-  for (int64_t b = 0; b < members_; ++b) {
-    const auto counts = member(b);
-    most = std::max(most, std::accumulate(counts.begin(), counts.end(), int64_t{0}));
-  }
+  for (int64_t b = 0; b < members_; ++b) most = std::max(most, rows_in(member(b)));
   return most;
 }
 
-int64_t Counts::total() const {
-  return std::accumulate(values_.begin(), values_.end(), int64_t{0});
-}
+int64_t Counts::total() const { return rows_in(values_); }
 
 void Counts::refuse(const std::string& why) {
   std::string passed = "?";
   if (buffer_ != nullptr)
     with_integer_type(buffer_->element_type(), [&]<typename T>() {
-      passed = text_of<T>(buffer_->untyped_data(), buffer_->element_count());
+      passed = text_of(
+          std::span{static_cast<const T*>(buffer_->untyped_data()), buffer_->element_count()});
     });
   error_ = std::string(name_) + "=" + passed + " " + why;
 }

@@ -61,47 +61,24 @@ def rows_of(x, counts, unbatched: int) -> int:
     return shape[len(batch_of(counts, unbatched))]
 
 
-def _rows(x, capacity: int, batch: tuple[int, ...]):
-    return core.ShapedArray((*batch, capacity, *x.shape[len(batch) + 1 :]), x.dtype)
+def _result_shapes(unbatched: tuple[int, int], rows_on_root_only: bool):
+    """Abstract evaluation of a variable-size exchange whose count operands (sent,
+    received) have `unbatched` dimensions past any batch axis (batch_of): the
+    rows received, `capacity` of them (none off the root where only the root
+    receives), and the counts received, shaped as their operand is: one per rank,
+    or per source over a neighbourhood, or one."""
+    sent_dims, received_dims = unbatched
 
+    def shapes(x, sent, received, *, comm, capacity, root=None, neighborhood=None, **_):
+        batch = batch_of(sent, sent_dims)
+        if rows_on_root_only and comm.rank != root:
+            capacity = 0
+        rows = core.ShapedArray((*batch, capacity, *x.shape[len(batch) + 1 :]), x.dtype)
+        peers = comm.size if neighborhood is None else neighborhood.sources
+        counts = core.ShapedArray((*batch, peers) if received_dims else batch, np.int32)
+        return [rows, counts]
 
-def _per_rank(comm: CommInfo, batch: tuple[int, ...]):
-    return core.ShapedArray((*batch, comm.size), np.int32)
-
-
-def _alltoallv_shape(x, send_counts, recv_counts, *, comm, capacity, **_):
-    batch = batch_of(send_counts, 1)
-    return [_rows(x, capacity, batch), _per_rank(comm, batch)]
-
-
-def _allgatherv_shape(x, count, counts, *, comm, capacity, **_):
-    batch = batch_of(count, 0)
-    return [_rows(x, capacity, batch), _per_rank(comm, batch)]
-
-
-def _gatherv_shape(x, count, counts, *, comm, root, capacity, **_):
-    # Only the root receives rows.
-    batch = batch_of(count, 0)
-    return [_rows(x, capacity if comm.rank == root else 0, batch), _per_rank(comm, batch)]
-
-
-def _scatterv_shape(x, counts, count, *, comm, root, capacity, **_):
-    batch = batch_of(counts, 1)
-    return [_rows(x, capacity, batch), core.ShapedArray(batch, np.int32)]
-
-
-def _per_source(neighborhood: Neighborhood, batch: tuple[int, ...]):
-    return core.ShapedArray((*batch, neighborhood.sources), np.int32)
-
-
-def _neighbor_alltoallv_shape(x, send_counts, recv_counts, *, neighborhood, capacity, **_):
-    batch = batch_of(send_counts, 1)
-    return [_rows(x, capacity, batch), _per_source(neighborhood, batch)]
-
-
-def _neighbor_allgatherv_shape(x, count, counts, *, neighborhood, capacity, **_):
-    batch = batch_of(count, 0)
-    return [_rows(x, capacity, batch), _per_source(neighborhood, batch)]
+    return shapes
 
 
 @functools.cache
@@ -114,18 +91,6 @@ def no_counts(size: int) -> np.ndarray:
 #: senders first, or the AD rules', from an exchange made before: the same
 #: exchange again (a tangent's) or back (an adjoint's). See cpp/variable_size.cc.
 GIVEN, EXCHANGED, MIRRORED, REVERSED = 0, 1, 2, 3
-
-# Operands: x, the counts this rank sends, then the counts it receives (used
-# when not `exchange`). Results: the rows received, then their counts. Under
-# vmap, each has a leading batch axis (batch_of): one call for the whole batch.
-alltoallv_p = comm_primitive("alltoallv", _alltoallv_shape)
-allgatherv_p = comm_primitive("allgatherv", _allgatherv_shape)
-gatherv_p = comm_primitive("gatherv", _gatherv_shape)
-scatterv_p = comm_primitive("scatterv", _scatterv_shape)
-# The same over a graph's or grid's neighbours (param `neighborhood`): counts one
-# per destination sent, one per source received, in their order.
-neighbor_alltoallv_p = comm_primitive("neighbor_alltoallv", _neighbor_alltoallv_shape)
-neighbor_allgatherv_p = comm_primitive("neighbor_allgatherv", _neighbor_allgatherv_shape)
 
 
 def _rank_rows(counts, rank: int, rows: int):
@@ -373,8 +338,8 @@ def batch_first_or_broadcast(a, dim, size: int):
 
 
 class Exchange(NamedTuple):
-    """What drives a variable-size exchange's rules, and its non-blocking form's
-    (jaxcomm._nonblocking)."""
+    """A variable-size exchange, declared once (_declare): its primitive and what
+    drives its rules, and its non-blocking form's (jaxcomm._nonblocking)."""
 
     primitive: Any
     transpose: Any
@@ -385,17 +350,37 @@ class Exchange(NamedTuple):
     defer: bool
 
 
+def _declare(
+    operation: str, transpose, unbatched: tuple[int, int], defer: bool, rows_on_root_only=False
+) -> Exchange:
+    """Exchange `operation`, with its primitive, whose results' shapes follow from
+    its count operands' dimensions (_result_shapes)."""
+    primitive = comm_primitive(operation, _result_shapes(unbatched, rows_on_root_only))
+    return Exchange(primitive, transpose, unbatched, defer)
+
+
+# Operands: x, the counts this rank sends, then the counts it receives (used
+# when not `exchange`). Results: the rows received, then their counts. Under
+# vmap, each has a leading batch axis (batch_of): one call for the whole batch.
 EXCHANGES: dict[str, Exchange] = {
     e.primitive.operation: e
     for e in [
-        Exchange(alltoallv_p, _alltoallv_transpose, (1, 1), True),
-        Exchange(allgatherv_p, _allgatherv_transpose, (0, 1), False),
-        Exchange(gatherv_p, _gatherv_transpose, (0, 1), True),
-        Exchange(scatterv_p, _scatterv_transpose, (1, 0), True),
-        Exchange(neighbor_alltoallv_p, _neighbor_alltoallv_transpose, (1, 1), True),
-        Exchange(neighbor_allgatherv_p, _neighbor_allgatherv_transpose, (0, 1), True),
+        _declare("alltoallv", _alltoallv_transpose, (1, 1), True),
+        _declare("allgatherv", _allgatherv_transpose, (0, 1), False),
+        _declare("gatherv", _gatherv_transpose, (0, 1), True, rows_on_root_only=True),
+        _declare("scatterv", _scatterv_transpose, (1, 0), True),
+        # The same over a graph's or grid's neighbours (param `neighborhood`): counts
+        # one per destination sent, one per source received, in their order.
+        _declare("neighbor_alltoallv", _neighbor_alltoallv_transpose, (1, 1), True),
+        _declare("neighbor_allgatherv", _neighbor_allgatherv_transpose, (0, 1), True),
     ]
 }
+alltoallv_p = EXCHANGES["alltoallv"].primitive
+allgatherv_p = EXCHANGES["allgatherv"].primitive
+gatherv_p = EXCHANGES["gatherv"].primitive
+scatterv_p = EXCHANGES["scatterv"].primitive
+neighbor_alltoallv_p = EXCHANGES["neighbor_alltoallv"].primitive
+neighbor_allgatherv_p = EXCHANGES["neighbor_allgatherv"].primitive
 
 for _e in EXCHANGES.values():
     define_rules(

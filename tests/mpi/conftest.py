@@ -6,6 +6,7 @@ import time
 
 import jax
 import pytest
+from graph_edges import GRAPHS, lists
 from mpi4py import MPI
 
 # The tests cover 64-bit dtypes; this is test configuration, jaxcomm never sets it.
@@ -105,6 +106,19 @@ def comm():
     from jaxcomm import JaxComm
 
     return JaxComm(MPI.COMM_WORLD)
+
+
+@pytest.fixture(scope="module")
+def graphs(comm):
+    """{name: (graph, its edges)} for each of graph_edges.GRAPHS, made on comm
+    and freed after the module's tests."""
+    made = {}
+    for name, edges in GRAPHS.items():
+        edges = edges(comm.size)
+        made[name] = (comm.create_dist_graph(*lists(edges, comm.rank)), edges)
+    yield made
+    for graph, _ in made.values():
+        graph.free()
 
 
 def pytest_runtest_logreport(report):

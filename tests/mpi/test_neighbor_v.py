@@ -1,28 +1,17 @@
 """neighbor_alltoallv and neighbor_allgatherv on graphs and Cartesian grids,
 against NumPy on every rank: each rank's counts and rows derive from its rank, so
 every rank computes what each of its sources sends it. The graphs are
-test_graph's (edges every rank knows, in one global order)."""
+graph_edges.py's (edges every rank knows, in one global order)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from data import rank_data
+from graph_edges import GRAPHS, lists
 from mpi4py import MPI
-from test_graph import GRAPHS, lists
 
 from jaxcomm import JaxComm
-
-
-@pytest.fixture(scope="module")
-def graphs(comm):
-    made = {}
-    for name, edges in GRAPHS.items():
-        edges = edges(comm.size)
-        made[name] = (comm.create_dist_graph(*lists(edges, comm.rank)), edges)
-    yield made
-    for graph, _ in made.values():
-        graph.free()
 
 
 def send_counts(rank, destinations):

@@ -7,12 +7,15 @@ dispatches the next one. The whole MPI suite's jitted functions can run through
 jaxcomm.jit instead of jax.jit: ``JAXCOMM_TEST_JIT=jaxcomm`` (tests/mpi/conftest.py).
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from data import FLOAT, assert_values
 from mpi4py import MPI
+from test_ordering import assert_not_overtaken
 
 import jaxcomm
 from jaxcomm import _jax_internals
@@ -75,36 +78,12 @@ def test_mixed_program(comm):
 @pytest.mark.parametrize("first", KINDS)
 @pytest.mark.parametrize("second", KINDS)
 def test_next_call_waits_for_a_running_call(comm, first, second):
-    """A call must not overtake one dispatched before it that is still running:
-    rank 0 dispatches a slow send (XLA still computes when Python moves on), then a
-    quick one; rank 1 must receive them in that order."""
+    """A call must not overtake one dispatched before it that is still running,
+    for every pair of kinds (test_ordering.assert_not_overtaken)."""
     if comm.size < 2:
         pytest.skip("needs two ranks")
-    ready = jnp.arange(4.0).block_until_ready()
-
-    def slow_send(x):
-        for _ in range(20):  # keep XLA busy while Python moves on
-            x = jnp.tanh(x @ x)
-        comm.send(x[0, :4], dest=1, tag=1)
-        return x[0, 0]
-
-    def quick_send(x):
-        comm.send(x, dest=1, tag=2)
-        return x
-
-    slow = jax.jit(slow_send) if first == "eager" else JITS[first](slow_send)
-    quick = as_kind(second, quick_send)
-    for _ in range(3):
-        if comm.rank == 0:
-            slow(jnp.eye(400) * 0.5)  # returns before it has run
-            quick(ready)
-        elif comm.rank == 1:
-            tags = []
-            for _ in range(2):
-                _, status = comm.recv(jnp.zeros(4), return_status=True)
-                tags.append(int(status.tag))
-            assert tags == [1, 2]
-        comm.barrier()
+    slow = jax.jit if first == "eager" else JITS[first]  # only a jitted call still runs
+    assert_not_overtaken(comm, slow, partial(as_kind, second), rounds=3)
 
 
 def test_non_blocking_operations(comm):

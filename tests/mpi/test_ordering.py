@@ -77,23 +77,28 @@ def test_many_ops_one_jit_keep_order(comm):
     other.free()
 
 
-def test_eager_call_waits_for_pending_jitted_calls(comm):
-    """An eager call (the direct path, and in the second round its shortcut) must
-    not overtake a jitted call dispatched before it that is still running."""
-    if comm.size < 2:
-        pytest.skip("needs two ranks")
+def assert_not_overtaken(comm, slow_under, quick_under, *, rounds):
+    """Rank 0 calls a slow send (a computation, then a send with tag 1) under
+    `slow_under`, a jit, so that the call returns while XLA still computes; then
+    a quick send (tag 2) under `quick_under`. Rank 1 must receive the two in that
+    order, in each of `rounds` rounds."""
     ready = jnp.arange(4.0).block_until_ready()  # nothing to wait for on its own
 
-    @jax.jit
     def slow_send(x):
         for _ in range(20):  # keep XLA busy while Python moves on
             x = jnp.tanh(x @ x)
         comm.send(x[0, :4], dest=1, tag=1)
+        return x[0, 0]
 
-    for _ in range(2):
+    def quick_send(x):
+        comm.send(x, dest=1, tag=2)
+        return x
+
+    slow, quick = slow_under(slow_send), quick_under(quick_send)
+    for _ in range(rounds):
         if comm.rank == 0:
-            slow_send(jnp.eye(400) * 0.5)  # returns before it has run
-            comm.send(ready, dest=1, tag=2)
+            slow(jnp.eye(400) * 0.5)  # returns before it has run
+            quick(ready)
         elif comm.rank == 1:
             tags = []
             for _ in range(2):
@@ -101,6 +106,14 @@ def test_eager_call_waits_for_pending_jitted_calls(comm):
                 tags.append(int(status.tag))
             assert tags == [1, 2]
         comm.barrier()
+
+
+def test_eager_call_waits_for_pending_jitted_calls(comm):
+    """An eager call (the direct path, and in the second round its shortcut) must
+    not overtake a jitted call dispatched before it that is still running."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    assert_not_overtaken(comm, jax.jit, lambda send: send, rounds=2)
 
 
 def test_eager_call_waits_for_its_input(comm):
