@@ -21,6 +21,7 @@
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
 #include "p2p.h"
+#include "pairing.h"
 #include "requests.h"
 #include "started.h"
 
@@ -134,39 +135,6 @@ constexpr BlockExchange kIalltoall{&MPI_Ialltoall, true, false};
 constexpr BlockExchange kIneighborAllgather{&MPI_Ineighbor_allgather, false, true};
 constexpr BlockExchange kIneighborAlltoall{&MPI_Ineighbor_alltoall, true, true};
 
-// Whether MPI_Ineighbor_alltoall delivers block s of the sender into block s ^ 1
-// of the receiver where a Cartesian dimension's lower and upper neighbours are
-// one rank (a periodic dimension of 1 or 2 ranks), as MPI 4.1 (8.6) says. Open
-// MPI's non-blocking neighbour collectives deliver it into block s (5.0.11;
-// open-mpi/ompi issue 14430): a wrong value jaxcomm must not return. Asked once,
-// of a periodic ring of this rank alone.
-bool posted_pairs_as_standard() {
-  static const bool standard = [] {
-    MPI_Comm ring;
-    int dims = 1, periods = 1;
-    MPI_Cart_create(MPI_COMM_SELF, 1, &dims, &periods, 0, &ring);
-    int sent[2] = {0, 1}, received[2] = {-1, -1};
-    MPI_Request request;
-    MPI_Ineighbor_alltoall(sent, 1, MPI_INT, received, 1, MPI_INT, ring, &request);
-    MPI_Wait(&request, MPI_STATUS_IGNORE);
-    MPI_Comm_free(&ring);
-    return received[0] == sent[1];
-  }();
-  return standard;
-}
-
-// Where the library pairs the blocks of such a dimension s to s, sending the
-// two swapped delivers each where the standard puts it: every rank along the
-// dimension has the one neighbour both ways. A graph's blocks pair in the order
-// of its lists, as the library's do.
-void pair_as_standard(char* blocks, const std::vector<int>& grid, size_t block_bytes) {
-  for (size_t lower = 0; lower + 1 < grid.size(); lower += 2)
-    if (grid[lower] == grid[lower + 1] && grid[lower] != MPI_PROC_NULL &&
-        !posted_pairs_as_standard())
-      std::swap_ranges(blocks + lower * block_bytes, blocks + (lower + 1) * block_bytes,
-                       blocks + (lower + 1) * block_bytes);
-}
-
 ffi::Error exchange_blocks(const BlockExchange& kind, const Buffer& x, Result& out, Result& request,
                            int64_t comm_key, bool check) {
   Call call(comm_key, check, x);
@@ -186,7 +154,11 @@ ffi::Error exchange_blocks(const BlockExchange& kind, const Buffer& x, Result& o
   Block block(elements, type);
   Owned owned = own_buffers(name, comm_key, check, x, out);
   const size_t block_bytes = elements * ffi::ByteWidth(x.element_type());
-  if (kind.split) pair_as_standard(owned.in, hood.grid, block_bytes);
+  if (kind.split)
+    pair_as_standard(hood.grid, [&](size_t lower) {
+      char* blocks = owned.in + lower * block_bytes;
+      std::swap_ranges(blocks, blocks + block_bytes, blocks + block_bytes);
+    });
   // Blocks from beyond an edge: MPI does not write them, and owned buffers are reused.
   zero_missing(owned.result, hood, block_bytes);
   JAXCOMM_CHECK_MPI(kind.post(owned.in, block.count(), block.type(), owned.result, block.count(),

@@ -30,6 +30,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "call.h"
@@ -38,6 +39,7 @@
 #include "datatypes.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
+#include "pairing.h"
 #include "requests.h"
 #include "started.h"
 
@@ -249,6 +251,18 @@ class Peers {
         memory().fill(into + at * row_bytes, &nothing, 1, rows[k] * row_bytes);
       at += rows[k];
     }
+  }
+
+  // A posted exchange's counts `sent` and where they start, of the two blocks of
+  // a grid dimension swapped where the library pairs them otherwise than MPI's
+  // standard (pairing.h): each leaves from the other's place, and so arrives
+  // where the standard puts it.
+  template <typename Counted>
+  void pair_posted_as_standard(Counted& sent) const {
+    pair_as_standard(hood_.grid, [&](size_t lower) {
+      std::swap(sent.counts[lower], sent.counts[lower + 1]);
+      std::swap(sent.starts[lower], sent.starts[lower + 1]);
+    });
   }
 
  private:
@@ -695,7 +709,8 @@ ffi::Error exchange_rows(bool neighbors, const Buffer& x, const Buffer& send_cou
   Blocks out_blocks(sent), in_blocks(received);
   zero_missing(peers, rows, received, in_blocks, t.into);
   const int code = rows.in_units([&]<typename C>(C) {
-    const C send = per_peer<C>(rows, sent, out_blocks);
+    C send = per_peer<C>(rows, sent, out_blocks);
+    if (t.posting()) peers.pair_posted_as_standard(send);
     const C recv = per_peer<C>(rows, received, in_blocks);
     return t.call(neighbors ? Functions<C>::neighbor_alltoallv : Functions<C>::alltoallv,
                   neighbors ? Functions<C>::ineighbor_alltoallv : Functions<C>::ialltoallv, t.in,
