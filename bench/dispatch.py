@@ -12,7 +12,15 @@ result. Each backend runs it its way:
 - ``jaxcomm.jit``: the same step under ``jaxcomm.jit``;
 - ``mpi4jax``: ``jax.jit`` of the step with mpi4jax's allreduce (when installed);
 - ``mpi4py``: the message alone, mpi4py's ``Allreduce`` on NumPy arrays, in the
-  same loop (what any of them pays for the allreduce itself).
+  same loop (what any of them pays for the allreduce itself);
+- ``jaxcomm.jit no-communication``: x -> x / size under ``jaxcomm.jit`` (what its
+  marker and Python wrapper add to the baseline);
+- ``jax.jit + mpi4py``: the baseline's jitted step, then mpi4py's ``Allreduce`` of
+  its result as a NumPy array (the least any library can pay for the step with
+  its message: the work between two messages, then the message);
+- ``busy + mpi4py``: a Python loop that keeps the core busy for --busy-us
+  microseconds, about the baseline's time per call, then mpi4py's ``Allreduce``
+  (the same, with no JAX at all).
 
 In each of --reps repetitions the backends run in turn, each timing a loop long
 enough to last --min-time; a repetition's time per call is the slowest rank's.
@@ -52,6 +60,7 @@ def steps(comm: MPI.Intracomm) -> dict[str, Callable]:
         "no-communication": jax.jit(lambda x: x * scale),
         "jaxcomm": jax.jit(lambda x: jc.allreduce(x, op=MPI.SUM) * scale),
         "jaxcomm.jit": jaxcomm.jit(lambda x: jc.allreduce(x, op=MPI.SUM) * scale),
+        "jaxcomm.jit no-communication": jaxcomm.jit(lambda x: x * scale),
     }
     try:
         import mpi4jax
@@ -72,6 +81,34 @@ def mpi4py_step(comm: MPI.Intracomm) -> Callable:
         return out * scale
 
     step.numpy = True  # takes and gives NumPy arrays
+    return step
+
+
+def jit_then_mpi4py_step(comm: MPI.Intracomm, jitted: Callable) -> Callable:
+    """The jitted step without communication, then mpi4py's Allreduce of its result."""
+    other = comm.Dup()
+
+    def step(x):
+        y = np.asarray(jitted(x))
+        out = np.empty_like(y)
+        other.Allreduce(y, out, op=MPI.SUM)
+        return out
+
+    step.numpy = True
+    return step
+
+
+def busy_then_mpi4py_step(comm: MPI.Intracomm, seconds: float) -> Callable:
+    """A busy loop of `seconds`, then mpi4py's step."""
+    message = mpi4py_step(comm)
+
+    def step(x):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+        return message(x)
+
+    step.numpy = True
     return step
 
 
@@ -97,13 +134,16 @@ def calibrate(comm: MPI.Intracomm, step: Callable, min_time: float) -> int:
 
 def measure(comm: MPI.Intracomm, args) -> list[dict]:
     found = {**steps(comm), "mpi4py": mpi4py_step(comm)}
+    found["jax.jit + mpi4py"] = jit_then_mpi4py_step(comm, found["no-communication"])
+    found["busy + mpi4py"] = busy_then_mpi4py_step(comm, args.busy_us * 1e-6)
     wanted = [name for name in args.backends.split(",") if name] or list(found)
     x = jnp.arange(1, dtype=jnp.float32) + comm.rank
     calls = {}
     for name in wanted:
-        given = np.asarray(x) if name == "mpi4py" else x
+        given = np.asarray(x) if getattr(found[name], "numpy", False) else x
         got = float(found[name](given)[0])  # also compiles
-        want = (comm.rank if name == "no-communication" else sum(range(comm.size))) / comm.size
+        alone = name in ("no-communication", "jaxcomm.jit no-communication")
+        want = (comm.rank if alone else sum(range(comm.size))) / comm.size
         if comm.allreduce(got != want, op=MPI.LOR):  # every rank stops, not only one
             raise SystemExit(f"bench: {name} gave {got} on rank {comm.rank}, not {want}")
         calls[name] = calibrate(comm, found[name], args.min_time)
@@ -190,6 +230,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--min-time", type=float, default=0.1, help="seconds per timed loop")
+    parser.add_argument("--busy-us", type=float, default=10.0, help="busy + mpi4py's loop")
     parser.add_argument("--backends", default="", help="comma-separated subset")
     parser.add_argument("--attribute", action="store_true", help="time JAX's dispatch path")
     parser.add_argument("--out", type=Path, default=HERE / "results")
@@ -201,7 +242,7 @@ def main(argv=None) -> None:
     else:
         records = measure(comm, args)
         lines = [
-            f"{r['backend']:<18}{r['median_us']:>9.1f} us ({r['min_us']:.1f}-{r['max_us']:.1f})"
+            f"{r['backend']:<30}{r['median_us']:>9.1f} us ({r['min_us']:.1f}-{r['max_us']:.1f})"
             f"{r['ratio']:>8.2f}x"
             for r in records
         ]

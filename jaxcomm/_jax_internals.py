@@ -76,9 +76,16 @@ def apply_primitive(primitive: core.Primitive, *args: Any, **params: Any) -> Any
     return dispatch.apply_primitive(primitive, *args, **params)
 
 
+# What core.trace_ctx.is_top_level() compares, read directly: jaxcomm.jit and
+# eager calls ask on every call, and the method with its two properties costs
+# three times the two reads.
+_trace_state, _axis_env_state = core.trace_state_strong_ref, core.axis_env_state
+_eval_trace, _top_axis_env = core.eval_trace, core.top_axis_env
+
+
 def at_top_level() -> bool:
     """Whether JAX is evaluating eagerly: no trace (jit, grad, vmap...) is active."""
-    return core.trace_ctx.is_top_level()
+    return _trace_state.value is _eval_trace and _axis_env_state.value is _top_axis_env
 
 
 def current_trace() -> Any:

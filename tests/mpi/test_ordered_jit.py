@@ -144,3 +144,28 @@ def test_function_without_communication_or_outputs(comm):
         send(jnp.full(2, float(comm.rank)))
     assert_values(received, np.full(2, float(left), FLOAT))
     comm.barrier()
+
+
+def test_top_level_check_agrees_with_jax(comm):
+    """jaxcomm.jit and eager calls read JAX's trace state directly on every call
+    (_jax_internals.at_top_level); JAX's own answer must be the same, at top level
+    and under each transformation, or calls would take the wrong path."""
+    from jax._src import core as jax_core
+
+    answers = []
+
+    def probe(x):
+        answers.append((_jax_internals.at_top_level(), jax_core.trace_ctx.is_top_level()))
+        return comm.allreduce(x)
+
+    x = jnp.ones(2)
+    probe(x)
+    jax.jit(probe)(x)
+    jax.grad(lambda v: probe(v).sum())(x)
+    jax.vmap(probe)(jnp.ones((3, 2)))
+    jax.vmap(probe, axis_name="batch")(jnp.ones((3, 2)))
+    jax.eval_shape(probe, x)
+    jax.lax.cond(x.sum() > 0, lambda v: probe(v), lambda v: probe(v) + 1, x)
+    assert [ours for ours, _ in answers] == [jaxs for _, jaxs in answers]
+    assert answers[0] == (True, True)
+    assert len(answers) >= 7 and not any(ours for ours, _ in answers[1:])
