@@ -76,16 +76,22 @@ def apply_primitive(primitive: core.Primitive, *args: Any, **params: Any) -> Any
     return dispatch.apply_primitive(primitive, *args, **params)
 
 
-# What core.trace_ctx.is_top_level() compares, read directly: jaxcomm.jit and
-# eager calls ask on every call, and the method with its two properties costs
-# three times the two reads.
-_trace_state, _axis_env_state = core.trace_state_strong_ref, core.axis_env_state
-_eval_trace, _top_axis_env = core.eval_trace, core.top_axis_env
+def _top_level_check() -> Callable[[], bool]:
+    """Whether JAX is evaluating eagerly: no trace (jit, grad, vmap...) is active.
+
+    jaxcomm.jit and eager calls ask on every call: where this JAX keeps the two
+    values that core.trace_ctx.is_top_level() compares as it did in 0.10 to 0.12,
+    they are read directly (the method and its two properties cost three times
+    the two reads); elsewhere the method answers."""
+    try:
+        trace, axis_env = core.trace_state_strong_ref, core.axis_env_state
+        eval_trace, top_axis_env = core.eval_trace, core.top_axis_env
+    except AttributeError:
+        return core.trace_ctx.is_top_level
+    return lambda: trace.value is eval_trace and axis_env.value is top_axis_env
 
 
-def at_top_level() -> bool:
-    """Whether JAX is evaluating eagerly: no trace (jit, grad, vmap...) is active."""
-    return _trace_state.value is _eval_trace and _axis_env_state.value is _top_axis_env
+at_top_level = _top_level_check()
 
 
 def current_trace() -> Any:
