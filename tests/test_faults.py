@@ -316,7 +316,9 @@ def test_a_test_past_its_time_limit_is_named_with_its_rank_and_stacks(tmp_path):
     the test's name, its rank and every thread's stack to mpiexec's stderr, where
     test_mpiexec.py's failure message shows them, and mpiexec ends the job."""
     tests = Path(__file__).parent
-    shutil.copy(tests / "mpi" / "conftest.py", tmp_path)
+    for helper in (tests / "mpi").glob("*.py"):  # conftest.py and the modules it imports
+        if not helper.name.startswith("test_"):
+            shutil.copy(helper, tmp_path)
     inner = shutil.copy(tests / "programs" / "sleeps_past_the_limit.py", tmp_path)
     args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={tmp_path}", inner]
     started = time.monotonic()
