@@ -244,6 +244,10 @@ def _summed_blocks(y, count, *, blocks: int, like):
     rows = like.shape[0]
     if blocks == 0 or rows == 0:
         return jnp.zeros(like.shape, like.dtype)
+    # An index, whatever the count's dtype (a NumPy uint64 does not mix with
+    # JAX's): a count refused (beyond int32, or x's rows) brought no rows back, so
+    # y is zeros wherever it points.
+    count = jnp.clip(jnp.asarray(count).astype(jnp.int32), 0, rows)
     index = jnp.arange(rows)
     total = sum(
         jnp.take(y, j * count + index, axis=0, mode="fill", fill_value=0) for j in range(blocks)
