@@ -121,6 +121,16 @@ void Counts::within(int64_t rows) {
   }
 }
 
+Counts Counts::repeated(int64_t peers) const {
+  std::vector<int> values;
+  values.reserve(static_cast<size_t>(members_ * peers));
+  for (int64_t b = 0; b < members_; ++b)
+    values.insert(values.end(), static_cast<size_t>(peers), member(b)[0]);
+  Counts each(std::move(values), members_, peers);
+  each.error_ = error_;
+  return each;
+}
+
 int64_t Counts::most() const {
   int64_t most = 0;
   for (int64_t b = 0; b < members_; ++b) most = std::max(most, rows_in(member(b)));

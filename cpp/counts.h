@@ -37,6 +37,9 @@ class Counts {
   // its rows then zeros (variable_size.cc, pads).
   void within(int64_t rows);
   std::span<const int> asked() const { return asked_; }
+  // One count per member (per_member() 1) as the counts of `peers` peers that
+  // each got it: zeros, and this error, where it was refused.
+  Counts repeated(int64_t peers) const;
 
   bool valid() const { return error_.empty(); }
   const std::string& error() const { return error_; }

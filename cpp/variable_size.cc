@@ -60,9 +60,15 @@ enum Counting : int32_t {
   // one here reads as 0 and is this call's error too.
   kMirrored = 2,
   kReversed = 3,
+  // The adjoint of a neighbor_allgatherv (a neighbor_alltoallv back): the given
+  // counts are that exchange's one `count` per member, which every source here
+  // got and sends back. Checked as that exchange checked it, so that a rank
+  // without destinations, which no source sends anything back, still reports it.
+  kRegathered = 4,
 };
 
-bool mirrors(int32_t counting) { return counting == kMirrored || counting == kReversed; }
+bool reverses(int32_t counting) { return counting == kReversed || counting == kRegathered; }
+bool mirrors(int32_t counting) { return counting == kMirrored || reverses(counting); }
 
 // Counts of rows and where each peer's rows start, of the types MPI's function
 // takes: ints, or MPI 4's MPI_Count and MPI_Aint (the _c functions) beyond int.
@@ -481,7 +487,7 @@ void write_counts(Result& counts_out, const Counts& counts) {
 // reported, keeping none: so their cotangents are zeros), and its peers wait for
 // as many.
 bool pads(const Counts& sent, int32_t counting) {
-  return !sent.valid() && counting == kReversed && !sent.asked().empty();
+  return !sent.valid() && reverses(counting) && !sent.asked().empty();
 }
 
 // What this rank sends: x's rows as MPI takes them (in place for one member whose
@@ -523,6 +529,12 @@ ffi::Error received_counts(Rows& rows, int32_t counting, bool check, const Buffe
                            std::optional<Counts>& out) {
   if (counting == kExchanged) {
     out.emplace(std::move(exchanged), rows.members(), per_member);
+    return ffi::Error::Success();
+  }
+  if (counting == kRegathered) {  // capacity: one block of x's rows per source, at least one
+    Counts count(given, name, rows.members(), 1);
+    count.within(rows.capacity() / std::max<int64_t>(per_member, 1));
+    out.emplace(count.repeated(per_member));
     return ffi::Error::Success();
   }
   Counts& counts = out.emplace(given, name, rows.members(), per_member);
@@ -576,8 +588,10 @@ ffi::Error alltoallv_counts(Call& call, Rows& rows, const Peers& peers, const Bu
     const auto back = transposed(in, peers.sources(), members, storage);
     exchanged.assign(back.begin(), back.end());
   }
-  // An adjoint's recv_counts are the send_counts of the exchange it reverses.
-  const char* given_name = counting == kReversed ? "send_counts" : "recv_counts";
+  // An adjoint's recv_counts are the send_counts (or count) of the exchange it reverses.
+  const char* given_name = counting == kReversed     ? "send_counts"
+                           : counting == kRegathered ? "count"
+                                                     : "recv_counts";
   if (auto err = received_counts(rows, counting, check, given_counts, given_name,
                                  std::move(exchanged), peers.sources(), received);
       err.failure())

@@ -91,7 +91,12 @@ def _integers(value: Any) -> Any:
     if isinstance(value, list | tuple) and any(isinstance(v, jax.Array) for v in value):
         return jnp.stack([jnp.asarray(v) for v in value])
     array = np.asarray(value)
-    if array.dtype.kind in "fO" and all(type(v) is int for v in np.ravel(np.array(value, object))):
+    # Python ints that NumPy made floats (or objects). Not a NumPy float array,
+    # not even an empty one, which holds no int to tell: it stays floats, and is
+    # refused as on a rank whose counts are not empty.
+    floats = isinstance(value, np.ndarray | np.generic) and array.dtype.kind == "f"
+    ints = not floats and all(type(v) is int for v in np.ravel(np.array(value, object)))
+    if array.dtype.kind in "fO" and ints:
         for dtype in (np.int64, np.uint64):
             try:
                 return np.array(value, dtype)

@@ -89,8 +89,9 @@ def no_counts(size: int) -> np.ndarray:
 
 #: `exchange`: the counts received are the caller's (trusted), learnt from the
 #: senders first, or the AD rules', from an exchange made before: the same
-#: exchange again (a tangent's) or back (an adjoint's). See cpp/variable_size.cc.
-GIVEN, EXCHANGED, MIRRORED, REVERSED = 0, 1, 2, 3
+#: exchange again (a tangent's) or back (an adjoint's; REGATHERED: a
+#: neighbor_allgatherv's, given its one count). See cpp/variable_size.cc.
+GIVEN, EXCHANGED, MIRRORED, REVERSED, REGATHERED = 0, 1, 2, 3, 4
 
 
 def _rank_rows(counts, rank: int, rows: int):
@@ -221,6 +222,8 @@ def _neighbor_alltoallv_transpose(
     # grid itself), with the counts swapped.
     if exchange == EXCHANGED:
         recv = learnt_counts("neighbor_alltoallv", send, recv, comm=comm, neighborhood=neighborhood)
+    if exchange == REGATHERED:  # one count, from every source
+        recv = jnp.broadcast_to(jnp.expand_dims(recv, -1), (*recv.shape, neighborhood.sources))
     reverse, back = neighborhood.reversed(comm)
     rows, _ = neighbor_alltoallv_p.bind(
         instantiate(cts[0]),
@@ -241,6 +244,10 @@ def _summed_blocks(y, count, *, blocks: int, like):
     rows = like.shape[0]
     if blocks == 0 or rows == 0:
         return jnp.zeros(like.shape, like.dtype)
+    # An index, whatever the count's dtype (a NumPy uint64 does not mix with
+    # JAX's): a count refused (beyond int32, or x's rows) brought no rows back, so
+    # y is zeros wherever it points.
+    count = jnp.clip(jnp.asarray(count).astype(jnp.int32), 0, rows)
     index = jnp.arange(rows)
     total = sum(
         jnp.take(y, j * count + index, axis=0, mode="fill", fill_value=0) for j in range(blocks)
@@ -255,6 +262,8 @@ def _neighbor_allgatherv_transpose(
     # x's rows went to every destination: each sends back the cotangent of the
     # copy it holds (a neighbor_alltoallv over the reversed graph, count rows from
     # each), and they add up. Each rank's own: no replicated-value convention.
+    # The count goes as it is (REGATHERED), checked there as here: a rank without
+    # destinations, to which nothing comes back, still reports an invalid one.
     if exchange == EXCHANGED:
         counts = learnt_counts(
             "neighbor_allgatherv", count, counts, comm=comm, neighborhood=neighborhood
@@ -263,15 +272,14 @@ def _neighbor_allgatherv_transpose(
     batch = batch_of(count, 0)
     rows = rows_of(x, count, 0)
     blocks = neighborhood.destinations
-    mine = jnp.broadcast_to(jnp.expand_dims(count, -1), (*batch, blocks))
     y, _ = neighbor_alltoallv_p.bind(
         instantiate(cts[0]),
         counts,
-        mine,
+        count,
         comm=reverse,
         neighborhood=back,
-        capacity=blocks * rows,
-        exchange=REVERSED,
+        capacity=max(blocks, 1) * rows,  # (the unused block of no destinations: x's rows)
+        exchange=REGATHERED,
         defer=False,
     )
     like = core.ShapedArray(x.aval.shape[len(batch) :], x.aval.dtype)

@@ -369,6 +369,12 @@ class JaxComm:
         params["capacity"] = _checks.capacity(operation, "capacity", params["capacity"], 0)
         if "root" in params:
             params["root"] = _checks.ROOT(operation, "root", params["root"], comm.size)
+        if counts.get("counts", 0) is None:  # scatterv's, passed by the root only
+            if comm.rank == params["root"]:
+                raise ValueError(
+                    f"{operation}: the root (rank {params['root']}) must pass counts, not None"
+                )
+            counts["counts"] = _no_counts(comm.size)
         # "count" is one integer; the others one per rank, or as `peers` says.
         default = {"count": (None, "")}
         operands = [
@@ -471,12 +477,10 @@ class JaxComm:
         return self._variable_size(x, self._scatterv_rows(counts, root, capacity=capacity))
 
     def _scatterv_rows(self, counts, root=0, *, capacity) -> _Rows:
-        if counts is None and self.rank == root:
-            raise ValueError(f"scatterv: the root (rank {root}) must pass counts, not None")
-        sending = _no_counts(self.size) if counts is None else counts
+        # counts None (off the root) is checked with the root (_rows_operands).
         params = {"root": root, "capacity": capacity, "exchange": True}
         return _Rows(
-            _variable_size.scatterv_p, {"counts": sending, "count": np.int32(0)}, None, params
+            _variable_size.scatterv_p, {"counts": counts, "count": np.int32(0)}, None, params
         )
 
     def send(self: Self, x: PyTree, dest: int, tag: int = 0) -> Self:

@@ -1,9 +1,14 @@
 """Misuse, generated: per-rank arguments of the operations that take counts,
 roots, ranks or tags, valid and not, run eagerly, in jit, under jvp, grad and
-vmap, and in checking mode. The invariant on every rank: the NumPy reference,
-exactly (results come in buffers pre-filled with a pattern, so uninitialised
-rows show), or a Python exception that names the argument and, for a value,
-the value passed. Never a crash or a hang (the watchdog aborts a hang).
+vmap, and in checking mode: the variable-size exchanges, blocking and posted
+(then waited), over every rank or over a graph's or grid's neighbours (a small
+graph or grid drawn per example, made outside any trace), and the fixed-size
+neighbour exchanges with wrong shapes. The invariant on every rank: the NumPy
+reference, exactly (results come in buffers pre-filled with a pattern, so
+uninitialised rows show), or a Python exception that names the argument and,
+for a value, the value passed (and, outside AD, whose adjoints' errors name
+their own exchange, the operation). Never a crash or a hang (the watchdog
+aborts a hang).
 
 Hypothesis is derandomised and does not shrink, so every rank draws the same
 examples; each rank passes its own part of a draw and knows every other rank's,
@@ -83,26 +88,95 @@ def padded(pieces: list[np.ndarray], capacity: int, like: np.ndarray) -> np.ndar
     return out
 
 
-def alltoallv_reference(xs, send, capacity, recv_refused):
-    """Per rank (y, recv_counts) or Refused. A rank refuses its invalid
-    send_counts and sends nothing; a rank refuses its invalid given recv_counts
-    (recv_refused[r]) or incoming rows beyond its capacity, keeping none (it
-    still sends)."""
-    size = len(xs)
-    own = [refusal("send_counts", send[r], len(xs[r])) for r in range(size)]
-    why = [[w for w in (own[r], recv_refused[r]) if w] for r in range(size)]
-    sent = [[0] * size if own[r] else list(send[r]) for r in range(size)]
+class Hood(NamedTuple):
+    """Who sends rows to whom, as every rank knows it. Per rank: its destinations
+    in order (a rank, or None beyond a grid's non-periodic edge), and its sources
+    in order, each (the sender, which of the sender's blocks arrives here) or None
+    beyond an edge. `made`: how to make the communicator: None (the one given:
+    every rank to every rank), ("graph", edges) or ("cart", dims, periods)."""
+
+    destinations: tuple
+    sources: tuple
+    made: tuple | None = None
+
+
+def complete(size: int) -> Hood:
+    """alltoallv's: rank s's block r goes to rank r."""
+    return Hood(
+        tuple(tuple(range(size)) for _ in range(size)),
+        tuple(tuple((s, r) for s in range(size)) for r in range(size)),
+    )
+
+
+def graph_hood(edges) -> Hood:
+    """A distributed graph of `edges` (source, destination), every rank's lists in
+    their order: the k-th edge from s to d is s's k-th block to d and d's k-th
+    from s, which is how MPI pairs repeated edges."""
+    destinations: list[list] = [[] for _ in range(SIZE)]
+    sources: list[list] = [[] for _ in range(SIZE)]
+    for s, d in edges:
+        sources[d].append((s, len(destinations[s])))
+        destinations[s].append(d)
+    return Hood(tuple(map(tuple, destinations)), tuple(map(tuple, sources)), ("graph", edges))
+
+
+def cart_hood(dims, periods) -> Hood:
+    """A Cartesian grid (rank order row-major, as MPI's): along each dimension the
+    lower neighbour, then the upper one; slot k's neighbour sends its block k ^ 1
+    here (the lower one its upper block), whatever the size of the dimension."""
+    destinations, sources = [], []
+    for r in range(SIZE):
+        at = np.unravel_index(r, dims)
+        mine = []
+        for d, (n, periodic) in enumerate(zip(dims, periods, strict=True)):
+            for step in (-1, 1):
+                c = list(at)
+                c[d] = (c[d] + step) % n if periodic else c[d] + step
+                mine.append(int(np.ravel_multi_index(c, dims)) if 0 <= c[d] < n else None)
+        destinations.append(tuple(mine))
+        sources.append(tuple(None if q is None else (q, k ^ 1) for k, q in enumerate(mine)))
+    return Hood(tuple(destinations), tuple(sources), ("cart", tuple(dims), tuple(periods)))
+
+
+def exchange_reference(xs, blocks, own, capacity, recv_refused, hood: Hood):
+    """Per rank (y, recv_counts) or Refused, where rank s sends blocks[s][j] (rows)
+    to its j-th destination. own[r]: why rank r refused what it sends (it sent no
+    rows), or None; a rank refuses its invalid given recv_counts (recv_refused[r])
+    or incoming rows beyond its capacity, keeping none (it still sends)."""
     out = []
-    for r in range(size):
-        got = [sent[s][r] for s in range(size)]
+    for r, x in enumerate(xs):
+        pieces = [x[:0] if src is None else blocks[src[0]][src[1]] for src in hood.sources[r]]
+        got = [len(piece) for piece in pieces]
+        why = [w for w in (own[r], recv_refused[r]) if w]
         if sum(got) > capacity[r]:
-            why[r].append(("capacity", capacity[r]))
-        starts = [sum(sent[s][:r]) for s in range(size)]
-        pieces = [xs[s][starts[s] : starts[s] + got[s]] for s in range(size)]
+            why.append(("capacity", capacity[r]))
         overflow = sum(got) > capacity[r] or recv_refused[r] is not None  # kept none
-        result = None if overflow else (padded(pieces, capacity[r], xs[r]), np.array(got, np.int32))
-        out.append(Refused(tuple(why[r]), result) if why[r] else result)
+        result = None if overflow else (padded(pieces, capacity[r], x), np.array(got, np.int32))
+        out.append(Refused(tuple(why), result) if why else result)
     return out
+
+
+def alltoallv_reference(xs, send, capacity, recv_refused, hood: Hood | None = None):
+    """alltoallv's and neighbor_alltoallv's: a rank refuses its invalid send_counts
+    and sends nothing."""
+    own = [refusal("send_counts", send[r], len(x)) for r, x in enumerate(xs)]
+    blocks = []
+    for r, x in enumerate(xs):
+        counts = [0] * len(send[r]) if own[r] else list(send[r])
+        starts = np.cumsum([0, *counts])
+        blocks.append([x[a : a + c] for a, c in zip(starts, counts, strict=False)])
+    return exchange_reference(xs, blocks, own, capacity, recv_refused, hood or complete(len(xs)))
+
+
+def neighbor_allgatherv_reference(xs, count, capacity, hood: Hood):
+    """Each rank's first count rows (None: all) to every destination; a rank that
+    refuses its count sends none, and only it raises: each result is its own."""
+    count = [len(x) if c is None else c for x, c in zip(xs, count, strict=True)]
+    own = [refusal("count", [c], len(x)) for x, c in zip(xs, count, strict=True)]
+    blocks = [
+        [x[: 0 if own[r] else count[r]]] * len(hood.destinations[r]) for r, x in enumerate(xs)
+    ]
+    return exchange_reference(xs, blocks, own, capacity, [None] * len(xs), hood)
 
 
 def allgatherv_reference(xs, count, capacity, everyone=True):
@@ -203,6 +277,11 @@ def weights(shape) -> np.ndarray:
     return 1 + np.arange(int(np.prod(shape))).reshape(shape) % 64 / 8
 
 
+def weighted(y: jax.Array) -> jax.Array:
+    """The loss's terms: y times weights(y.shape)."""
+    return y * jnp.asarray(weights(y.shape), y.dtype)
+
+
 # -- what each rank passes --------------------------------------------------------------
 
 X_DTYPES = ("float32", "float64", "int8", "uint16", "int64", "bool", "complex64", "float16")
@@ -215,11 +294,39 @@ FORMS = ("list", *INT_DTYPES, "view:int32", "view:uint64", "view:int8", "jax:int
 NEGATIVE = (-1, -1000, -(2**31), -(2**31) - 1)
 HUGE = (2**31 - 1, 2**31, 2**32, 2**32 + 1, 2**63 - 1, 2**64 - 1)
 #: A wrong static argument, the same on every rank (None: none).
-STATIC = (None,) * 8 + ("float counts", "bool counts", "counts shape", "capacity=-1",
-                       "capacity=2.5", "traced capacity", "root=size", "root=-1",
-                       "traced root")  # fmt: skip
-COUNT_NAME = {"alltoallv": "send_counts", "ialltoallv": "send_counts", "allgatherv": "count",
-              "gatherv": "count", "scatterv": "counts"}  # fmt: skip
+STATIC = (None,) * 12 + ("float counts", "bool counts", "counts shape", "capacity=-1",
+                        "capacity=2.5", "traced capacity", "root=size", "root=-1",
+                        "traced root", "root without counts")  # fmt: skip
+#: The variable-size exchanges: blocking, posted (then waited), and over a
+#: graph's or grid's neighbours.
+OPS = ("alltoallv", "ialltoallv", "allgatherv", "iallgatherv", "gatherv", "igatherv", "scatterv",
+       "iscatterv", "neighbor_alltoallv", "ineighbor_alltoallv", "neighbor_allgatherv",
+       "ineighbor_allgatherv")  # fmt: skip
+
+
+def blocking(op: str) -> str:
+    """The blocking form of `op`, whose reference it has: ialltoallv's alltoallv."""
+    return op.removeprefix("i")
+
+
+def neighbors(op: str) -> bool:
+    return blocking(op).startswith("neighbor_")
+
+
+def one_count(op: str) -> bool:
+    """Whether each rank passes one count (allgatherv's kind), not one per peer."""
+    return blocking(op) in ("allgatherv", "gatherv", "neighbor_allgatherv")
+
+
+def exchanges(op: str) -> bool:
+    """Whether `op` sends rows to each destination as its counts say, and takes
+    given recv_counts (alltoallv's kind)."""
+    return blocking(op) in ("alltoallv", "neighbor_alltoallv")
+
+
+COUNT_NAME = {"alltoallv": "send_counts", "neighbor_alltoallv": "send_counts",
+              "allgatherv": "count", "gatherv": "count", "neighbor_allgatherv": "count",
+              "scatterv": "counts"}  # fmt: skip
 ROOTED = ("gatherv", "scatterv")
 
 
@@ -271,9 +378,10 @@ class Case:
     row: tuple
     root: int
     static: str | None
+    hood: Hood  # who sends to whom: every rank to every rank, or a graph's or grid's
     rows: tuple  # x's rows on each rank
-    counts: tuple  # alltoallv: send_counts; allgatherv, gatherv: count (None: default);
-    # scatterv: the root's counts (None elsewhere)
+    counts: tuple  # alltoallv: send_counts (one per destination); allgatherv, gatherv:
+    # count (None: default); scatterv: the root's counts (None elsewhere)
     batched: tuple  # whether the rank's counts carry the vmap batch
     form: tuple
     slack: tuple  # capacity minus the rows the rank receives (negative: overflow)
@@ -296,7 +404,9 @@ def _faulty(draw, base, rows, scalar, faults):
     fault = draw(st.sampled_from(("none",) * 5 + faults))
     members = [list(m) for m in base]
     m = draw(st.integers(0, len(members) - 1))
-    i = draw(st.integers(0, len(members[m]) - 1))
+    i = draw(st.integers(0, max(len(members[m]) - 1, 0)))
+    if not members[m]:  # no destinations: no count to spoil
+        fault = "none"
     if fault == "negative":
         members[m][i] = draw(st.sampled_from(_narrow(NEGATIVE)))
     elif fault == "huge":
@@ -307,6 +417,34 @@ def _faulty(draw, base, rows, scalar, faults):
     return tuple(c[0] if scalar else tuple(c) for c in members), rows
 
 
+def _statics(op: str) -> list:
+    """The static mistakes (None: none) that `op` can be given: those of a root
+    for gatherv and scatterv, and the root's missing counts for scatterv."""
+    rooted, scatters = blocking(op) in ROOTED, blocking(op) == "scatterv"
+    return [
+        s
+        for s in STATIC
+        if s is None
+        or (
+            "static" not in SKIP
+            and (rooted or "root" not in s)
+            and (scatters or s != "root without counts")
+        )
+    ]
+
+
+@st.composite
+def hoods(draw) -> Hood:
+    """A small graph (repeated edges, self-loops, ranks with no sources or no
+    destinations, no edges at all), or a grid, some of its dimensions periodic."""
+    if draw(st.sampled_from((True, True, False))):
+        rank = st.integers(0, SIZE - 1)
+        edges = draw(st.lists(st.tuples(rank, rank), max_size=2 * SIZE + 2))
+        return graph_hood(tuple(edges))
+    dims = draw(st.sampled_from(((SIZE,), (SIZE, 1), (1, SIZE))))
+    return cart_hood(dims, tuple(draw(st.booleans()) for _ in dims))
+
+
 @st.composite
 def cases(draw, op: str, mode: str):
     members = 2 if mode == "vmap" else 1
@@ -315,15 +453,15 @@ def cases(draw, op: str, mode: str):
     dtype = draw(st.sampled_from(FLOATS if mode in ("jvp", "grad") else X_DTYPES))
     row = draw(st.sampled_from(ROW_SHAPES))
     root = draw(st.integers(0, SIZE - 1))
-    static = draw(st.sampled_from([s for s in STATIC if s is None or ("static" not in SKIP
-                                   and (op in ROOTED or "root" not in s))]))  # fmt: skip
+    static = draw(st.sampled_from(_statics(op)))
+    hood = draw(hoods()) if neighbors(op) else complete(SIZE)
     refusals = not (mode in ("jvp", "grad") and "ad-refusal" in SKIP)
     faults = ("negative", "excess", "huge") if refusals else ()
-    scalar = op in ("allgatherv", "gatherv")
+    scalar = one_count(op)
     rows, counts, batched, forms, slack = [], [], [], [], []
     for r in range(SIZE):
-        has_counts = op != "scatterv" or r == root
-        width = 1 if scalar else SIZE
+        has_counts = blocking(op) != "scatterv" or r == root
+        width = 1 if scalar else len(hood.destinations[r])
         first = tuple(draw(st.lists(st.integers(0, 3), min_size=width, max_size=width)))
         batch = mode == "vmap" and has_counts and "batched" not in SKIP and draw(st.booleans())
         base = [first] + [
@@ -348,17 +486,20 @@ def cases(draw, op: str, mode: str):
                                            or not f.startswith("view")])))  # fmt: skip
         slack.append(draw(st.sampled_from((0, 0, 1, 2, -1) if refusals else (0, 1))))
     recv = (None,) * SIZE
-    if op in ("alltoallv", "ialltoallv") and mode != "vmap" and draw(st.booleans()):
-        kinds = ["right", "right", "right"]
-        if "recv" not in SKIP and check:
-            # Given counts are trusted: a rank refuses invalid ones before the
-            # exchange, as it does a bad root, so outside checking mode its peers
-            # would wait for it. Checking mode compares them on every rank.
-            kinds += _narrow([*NEGATIVE[:2], HUGE[1]])
-        if check and "disagree" not in SKIP:  # what checking mode must catch
-            kinds += ["wrong", None]
-        recv = tuple(draw(st.sampled_from(kinds)) for _ in range(SIZE))
-    return Case(op, mode, jit, check, dtype, row, root, static, tuple(rows), tuple(counts),
+    if exchanges(op) and mode != "vmap" and (check or draw(st.booleans())):
+        kinds = []
+        for r in range(SIZE):
+            kind = ["right", "right"]
+            if "recv" not in SKIP and check and hood.sources[r]:
+                # Given counts are trusted: a rank refuses invalid ones before the
+                # exchange, as it does a bad root, so outside checking mode its peers
+                # would wait for it. Checking mode compares them on every rank.
+                kind += _narrow([*NEGATIVE[:2], HUGE[1]])
+            if check and "disagree" not in SKIP:  # what checking mode must catch
+                kind += ["wrong", None] if hood.sources[r] else [None]
+            kinds.append(draw(st.sampled_from(kind)))
+        recv = tuple(kinds)
+    return Case(op, mode, jit, check, dtype, row, root, static, hood, tuple(rows), tuple(counts),
                 tuple(batched), tuple(forms), tuple(slack), recv)  # fmt: skip
 
 
@@ -368,11 +509,13 @@ def cases(draw, op: str, mode: str):
 class Expect(NamedTuple):
     """What one rank must see: `value` (a tuple of arrays), or an exception naming
     one of `reasons`; None / () where that outcome is wrong. `any_error`: any
-    exception is right (a peer refused under AD: it may pass the error on)."""
+    exception is right (a peer refused under AD: it may pass the error on).
+    `operation`: the name an exception must also give (None: any)."""
 
     value: tuple | None
     reasons: tuple = ()
     any_error: bool = False
+    operation: str | None = None
 
 
 class Plan(NamedTuple):
@@ -382,43 +525,61 @@ class Plan(NamedTuple):
 
 def _reference(case: Case, xs, counts, capacity):
     """The op's reference for one vmap member: xs and counts per rank."""
-    if case.op in ("alltoallv", "ialltoallv"):
+    op = blocking(case.op)
+    if exchanges(op):
         recv_refused = [(("recv_counts", v) if isinstance(v, int) else None) for v in case.recv]
-        return alltoallv_reference(xs, counts, capacity, recv_refused)
-    if case.op == "allgatherv":
+        return alltoallv_reference(xs, counts, capacity, recv_refused, case.hood)
+    if op == "neighbor_allgatherv":
+        return neighbor_allgatherv_reference(xs, counts, capacity, case.hood)
+    if op == "allgatherv":
         return allgatherv_reference(xs, counts, capacity)
-    if case.op == "gatherv":
+    if op == "gatherv":
         return gatherv_reference(xs, counts, capacity, case.root)
     return scatterv_reference(xs, counts[case.root], capacity, case.root)
 
 
 def _sent(case: Case, counts) -> list:
-    """What each rank sends (a refusing rank sends nothing): alltoallv and
-    scatterv one count per rank, allgatherv and gatherv one count."""
-    if case.op in ("allgatherv", "gatherv"):
+    """What each rank sends (a refusing rank sends nothing): alltoallv's kind and
+    neighbor_allgatherv one count per destination, scatterv one per rank (the
+    root's), allgatherv and gatherv one count."""
+    op = blocking(case.op)
+    if one_count(op):
         counts = [case.rows[r] if c is None else c for r, c in enumerate(counts)]
-        return [0 if refusal("", [c], case.rows[r]) else c for r, c in enumerate(counts)]
-    if case.op == "scatterv":
+        sent = [0 if refusal("", [c], case.rows[r]) else c for r, c in enumerate(counts)]
+        if op != "neighbor_allgatherv":
+            return sent
+        return [[c] * len(case.hood.destinations[r]) for r, c in enumerate(sent)]
+    if op == "scatterv":
         root = counts[case.root]
         return [0] * SIZE if refusal("", root, case.rows[case.root]) else list(root)
-    return [[0] * SIZE if refusal("", c, case.rows[r]) else list(c) for r, c in enumerate(counts)]
+    return [[0] * len(c) if refusal("", c, case.rows[r]) else list(c) for r, c in enumerate(counts)]
+
+
+def _arriving(case: Case, counts, rank: int) -> list[int]:
+    """The rows `rank` receives from each of its sources (alltoallv's kind and
+    neighbor_allgatherv): 0 from beyond a grid's edge."""
+    sent = _sent(case, counts)
+    return [0 if src is None else sent[src[0]][src[1]] for src in case.hood.sources[rank]]
 
 
 def _received(case: Case, counts) -> list[int]:
     """Rows each rank receives (for gatherv, the root only)."""
-    sent = _sent(case, counts)
-    if case.op in ("allgatherv", "gatherv"):
-        return [sum(sent) if case.op == "allgatherv" or r == case.root else 0 for r in range(SIZE)]
-    if case.op == "scatterv":
-        return sent
-    return [sum(sent[s][r] for s in range(SIZE)) for r in range(SIZE)]
+    op = blocking(case.op)
+    if op in ("allgatherv", "gatherv"):
+        sent = _sent(case, counts)
+        return [sum(sent) if op == "allgatherv" or r == case.root else 0 for r in range(SIZE)]
+    if op == "scatterv":
+        return _sent(case, counts)
+    return [sum(_arriving(case, counts, r)) for r in range(SIZE)]
 
 
 def _static_mistake(case: Case, counts_arg, capacity, root):
     """The case's static mistake applied: (counts, capacity, root, the reason
     every rank must give), the reason None where there is none."""
-    name = COUNT_NAME[case.op]
+    name = COUNT_NAME[blocking(case.op)]
     static = case.static
+    if static == "root without counts":  # every rank passes None: only the root may not
+        return None, capacity, root, ("counts", None)
     if static in ("float counts", "bool counts", "counts shape"):
         if counts_arg is None:  # every rank passes the mistake, or the others would wait
             counts_arg = np.int32(case.rows[RANK]) if name == "count" else np.ones(SIZE, np.int32)
@@ -428,7 +589,8 @@ def _static_mistake(case: Case, counts_arg, capacity, root):
         elif static == "bool counts":
             a = a.astype(bool)
         else:  # one count too many
-            a = a[..., None] if name == "count" else np.concatenate([a, a[..., :1]], -1)
+            extra = np.zeros((*a.shape[:-1], 1), a.dtype)  # (a is empty without destinations)
+            a = a[..., None] if name == "count" else np.concatenate([a, extra], -1)
         return a, capacity, root, (name, None)
     if static == "capacity=-1":
         return counts_arg, -1, root, ("capacity", -1)
@@ -448,7 +610,7 @@ def _static_mistake(case: Case, counts_arg, capacity, root):
 def _spoiled(case: Case, member_counts) -> list:
     """member_counts with the counts of each rank that refuses them in any member
     made invalid in every member."""
-    scalar = case.op in ("allgatherv", "gatherv")
+    scalar = one_count(case.op)
     refusing = {
         r
         for counts in member_counts
@@ -465,7 +627,7 @@ def plan(case: Case, comm: JaxComm) -> Plan:
     member_counts = [[c and c[m] for c in case.counts] for m in range(members)]
     received = np.max([_received(case, mc) for mc in member_counts], axis=0)
     capacity = [max(0, int(received[r]) + case.slack[r]) for r in range(SIZE)]
-    if case.op == "allgatherv" and case.mode == "grad":  # a replicated result: one capacity
+    if blocking(case.op) == "allgatherv" and case.mode == "grad":  # replicated: one capacity
         capacity = [min(capacity)] * SIZE
     xs = [[rank_rows(r, m, case.rows[r], case.row, case.dtype) for r in range(SIZE)]
           for m in range(members)]  # fmt: skip
@@ -478,7 +640,7 @@ def plan(case: Case, comm: JaxComm) -> Plan:
     # This rank's arguments.
     given = None
     if case.recv[RANK] is not None:  # the right recv_counts, or a mistake in them
-        right = [int(row[RANK]) for row in _sent(case, member_counts[0])]
+        right = _arriving(case, member_counts[0], RANK)
         if case.recv[RANK] == "wrong":
             right[0] += 1
         elif isinstance(case.recv[RANK], int):
@@ -486,7 +648,7 @@ def plan(case: Case, comm: JaxComm) -> Plan:
         given = in_form(right, case.form[RANK], False)
     x = jnp.asarray(np.stack([xs[m][RANK] for m in range(members)]) if members > 1 else xs[0][RANK])
     mine = case.counts[RANK]
-    scalar = case.op in ("allgatherv", "gatherv")
+    scalar = one_count(case.op)
     if mine is None or mine[0] is None:
         counts_arg = None
     elif case.batched[RANK]:  # one row per member, of the first dtype that holds them
@@ -513,7 +675,8 @@ def plan(case: Case, comm: JaxComm) -> Plan:
         first = np.cumsum([0, *(x.size for x in xs[0])])
         labels = [labelled(x.shape, first[r] + 1) for r, x in enumerate(xs[0])]
         outs = _reference(case, labels, member_counts[0], capacity)
-        grads = gradient_reference(labels, outs, weights, own_only=case.op == "allgatherv")
+        own_only = blocking(case.op) == "allgatherv"
+        grads = gradient_reference(labels, outs, weights, own_only=own_only)
         values = [v and (grads[r].astype(case.dtype),) for r, v in enumerate(values)]
     reasons = [tuple(w for m in range(members) if isinstance(refs[m][r], Refused)
                      for w in refs[m][r].reasons) for r in range(SIZE)]  # fmt: skip
@@ -530,32 +693,37 @@ def plan(case: Case, comm: JaxComm) -> Plan:
     if case.mode == "vmap" and any(case.batched):
         # Counts batched on some ranks: right values, or refused on every rank (at
         # trace time) by a message about the batch.
-        name = COUNT_NAME[case.op]
+        name = COUNT_NAME[blocking(case.op)]
         batch = ((name, None), ("vmap", None), ("batch", None))
         expect = [e._replace(reasons=(*e.reasons, *batch)) for e in expect]
-    if mistake is not None and not (case.static.startswith("traced") and not case.jit):
+    if case.static == "root without counts":
+        # The root raises before any MPI call; the others would wait for it (as
+        # they would for a root that refuses given counts), so they do not call.
+        expect = [Expect(None, (mistake,)) if r == case.root else Expect(()) for r in range(SIZE)]
+        if case.root != RANK:
+            run = tuple
+    elif mistake is not None and not (case.static.startswith("traced") and not case.jit):
         expect = [Expect(None, (mistake,))] * SIZE  # raised on every rank, before any MPI call
     elif mistake is not None:  # a concrete jax.Array: taken as an int, or refused
         expect = [e._replace(reasons=(*e.reasons, mistake)) for e in expect]
+    if case.mode not in ("jvp", "grad"):  # (under AD an adjoint's exchange may say it)
+        expect = [e._replace(operation=case.op) for e in expect]
     return Plan(run, expect)
 
 
 def _caller(case: Case, comm: JaxComm, given):
-    """(x, counts, capacity, root) -> (y, counts received) for the case's op."""
-    op = case.op
-    if op == "alltoallv":
-        return lambda x, c, capacity, root: comm.alltoallv(
-            x, c, capacity=capacity, recv_counts=given
-        )
-    if op == "ialltoallv":
-        return lambda x, c, capacity, root: comm.wait(
-            comm.ialltoallv(x, c, capacity=capacity, recv_counts=given)
-        )
-    if op == "allgatherv":
-        return lambda x, c, capacity, root: comm.allgatherv(x, capacity=capacity, count=c)
+    """(x, counts, capacity, root) -> (y, counts received) for the case's op; a
+    posted op's request waited at once."""
+    op = blocking(case.op)
+    call = getattr(comm, case.op)
+    done = comm.wait if case.op != op else (lambda result: result)
+    if exchanges(op):
+        return lambda x, c, capacity, root: done(call(x, c, capacity=capacity, recv_counts=given))
+    if op in ("allgatherv", "neighbor_allgatherv"):
+        return lambda x, c, capacity, root: done(call(x, capacity=capacity, count=c))
     if op == "gatherv":
-        return lambda x, c, capacity, root: comm.gatherv(x, root, capacity=capacity, count=c)
-    return lambda x, c, capacity, root: comm.scatterv(x, c, root, capacity=capacity)
+        return lambda x, c, capacity, root: done(call(x, root, capacity=capacity, count=c))
+    return lambda x, c, capacity, root: done(call(x, c, root, capacity=capacity))
 
 
 def _in_mode(case: Case, call, x, counts, capacity, root) -> Callable[[], tuple]:
@@ -579,11 +747,7 @@ def _in_mode(case: Case, call, x, counts, capacity, root) -> Callable[[], tuple]
     elif case.mode == "grad":
 
         def fn(x, traced):
-            def loss(x):
-                y = op(x, traced)[0]
-                return jnp.sum(y * jnp.asarray(weights(y.shape), y.dtype))
-
-            return (jax.grad(loss)(x),)
+            return (jax.grad(lambda x: jnp.sum(weighted(op(x, traced)[0])))(x),)
 
     else:  # vmap over x, and over the counts where they carry the batch
         axes = {k: 0 if k == "counts" and case.batched[RANK] else None for k in traced}
@@ -625,8 +789,12 @@ def judge(results, error, expect: Expect) -> str | None:
     """None if this rank's outcome is right, else what is wrong with it."""
     if error is not None:
         message = f"{type(error).__name__}: {error}"
-        if expect.any_error or _named(message, expect.reasons):
+        if expect.any_error:
             return None
+        if _named(message, expect.reasons):
+            if expect.operation is None or re.search(rf"\b{expect.operation}\b", message):
+                return None
+            return f"raised, without naming the operation {expect.operation}: {message[:800]}"
         if expect.reasons:
             return f"raised, without naming {list(expect.reasons)}: {message[:800]}"
         return f"raised where the reference has values: {message[:800]}"
@@ -658,9 +826,37 @@ def dirty_heap(pattern) -> None:
 _FAILED: dict[str, str] = {}  # a failing example's message, for Hypothesis' replay
 
 
-def run_case(case: Case, comm: JaxComm, checking: JaxComm) -> None:
+def made(comm: JaxComm, hood: Hood) -> JaxComm | None:
+    """The graph or grid of `hood`, made over comm (collective), or None."""
+    if hood.made is None:
+        return None
+    kind, *args = hood.made
+    if kind == "cart":
+        return comm.create_cart(*args)
+    (edges,) = args
+    return comm.create_dist_graph(
+        [s for s, d in edges if d == RANK], [d for s, d in edges if s == RANK]
+    )
+
+
+def _check_hood(on: JaxComm, hood: Hood) -> None:
+    """This test's model of the neighbours against the communicator's own."""
+    if hood.made is None:
+        return
+    if hood.made[0] == "graph":
+        destinations, sources = on.destinations, on.sources
+    else:
+        null = lambda r: None if r == MPI.PROC_NULL else r  # noqa: E731
+        destinations = tuple(null(r) for d in range(len(on.dims)) for r in on.shift(d))
+        sources = destinations
+    assert destinations == hood.destinations[RANK], (destinations, hood)
+    assert sources == tuple(src and src[0] for src in hood.sources[RANK]), (sources, hood)
+
+
+def run_case(case, comm: JaxComm, checking: JaxComm, planner=None) -> None:
     """Run `case` on every rank and fail every rank together if any rank's outcome
-    breaks the invariant."""
+    breaks the invariant. `planner(case, communicator)` makes its Plan (default:
+    plan), on the case's graph or grid if it has one."""
     digest = hashlib.sha256(repr(case).encode()).hexdigest()[:16]
     digests = WORLD.allgather(digest)
     if len(set(digests)) > 1:
@@ -669,9 +865,20 @@ def run_case(case: Case, comm: JaxComm, checking: JaxComm) -> None:
         raise AssertionError(_FAILED[digest])
     if os.environ.get("JAXCOMM_MISUSE_TRACE"):
         print(f"rank {RANK}: {case}", flush=True)
+    on = checking if case.check else comm
+    topology = made(on, case.hood)  # collective: never while tracing
+    try:
+        _run(case, digest, topology or on, planner or plan)
+    finally:
+        if topology is not None:
+            topology.free()
+
+
+def _run(case, digest: str, on: JaxComm, planner) -> None:
     p, mistake = None, None
     try:
-        p = plan(case, checking if case.check else comm)
+        _check_hood(on, case.hood)
+        p = planner(case, on)
     except Exception as e:
         mistake = e
     mistakes = WORLD.allgather(None if mistake is None else repr(mistake))
@@ -726,7 +933,6 @@ def checking():
         _native.cpu.configure(debug=_settings.DEBUG, timeout=0.0)
 
 
-OPS = ("alltoallv", "ialltoallv", "allgatherv", "gatherv", "scatterv")
 MODES = ("eager", "jit", "jvp", "grad", "vmap")
 
 
@@ -736,6 +942,166 @@ MODES = ("eager", "jit", "jvp", "grad", "vmap")
 @given(data=st.data())
 def test_counts(comm, checking, op, mode, data):
     run_case(data.draw(cases(op, mode), label="case"), comm, checking)
+
+
+# -- fixed-size blocks to neighbours ----------------------------------------------------
+
+#: Wrong shapes: x's leading axis not one block per destination (on every rank:
+#: one rank alone would leave the others waiting for it), or x without one; in
+#: checking mode, the shape or dtype of a block differing between ranks.
+WRONG_BLOCKS = ("leading axis", "scalar x")
+DISAGREEING = ("block shape", "dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCase:
+    """One example of a fixed-size neighbour exchange: what every rank passes."""
+
+    op: str  # neighbor_alltoall, neighbor_allgather
+    posted: bool  # its non-blocking form, posted then waited
+    mode: str
+    jit: bool
+    check: bool
+    hood: Hood
+    mistake: str | None
+    dtype: tuple  # x's dtype on each rank
+    shape: tuple  # x's shape on each rank (one vmap member's)
+
+
+@st.composite
+def block_cases(draw, op: str, mode: str):
+    jit = mode == "jit" or (mode != "eager" and draw(st.booleans()))
+    check = draw(st.sampled_from((False, False, True)))
+    dtype = draw(st.sampled_from(FLOATS if mode in ("jvp", "grad") else X_DTYPES))
+    block = draw(st.sampled_from(ROW_SHAPES))
+    hood = draw(hoods())
+    kinds = [None] * 4 + (list(WRONG_BLOCKS) if op == "neighbor_alltoall" else [])
+    mistake = draw(st.sampled_from(kinds + (list(DISAGREEING) if check else [])))
+    blocks = [len(d) for d in hood.destinations]
+    if mistake == "leading axis":
+        blocks = [n + draw(st.sampled_from((1, -1) if n else (1,))) for n in blocks]
+    odd = [mistake in DISAGREEING and draw(st.booleans()) for _ in range(SIZE)]
+    other = "float64" if dtype != "float64" else "float32"
+    dtypes = tuple(other if o and mistake == "dtype" else dtype for o in odd)
+    shapes = tuple((*block, 2) if o and mistake == "block shape" else block for o in odd)
+    if op == "neighbor_alltoall":
+        per_rank = zip(blocks, shapes, strict=True)
+        shapes = tuple(() if mistake == "scalar x" else (n, *s) for n, s in per_rank)
+    return BlockCase(op, draw(st.booleans()), mode, jit, check, hood, mistake, dtypes, shapes)
+
+
+def blocks_reference(op: str, xs, hood: Hood) -> list[np.ndarray]:
+    """Per rank: block i from source i (neighbor_allgather: its x; neighbor_alltoall:
+    its block for this rank), zeros from beyond a grid's edge."""
+    out = []
+    for r, x in enumerate(xs):
+        like = x if op == "neighbor_allgather" else np.zeros(x.shape[1:], x.dtype)
+        blocks = [
+            np.zeros_like(like) if src is None
+            else xs[src[0]] if op == "neighbor_allgather" else xs[src[0]][src[1]]
+            for src in hood.sources[r]
+        ]  # fmt: skip
+        out.append(np.stack(blocks) if blocks else np.zeros((0, *like.shape), x.dtype))
+    return out
+
+
+def plan_blocks(case: BlockCase, on: JaxComm) -> Plan:
+    members = 2 if case.mode == "vmap" else 1
+    name = ("i" if case.posted else "") + case.op
+    xs = [[rank_rows(r, m, 1, case.shape[r], case.dtype[r])[0] for r in range(SIZE)]
+          for m in range(members)]  # fmt: skip
+    post = getattr(on, name)
+
+    def call(x):
+        return on.wait(post(x)) if case.posted else post(x)
+
+    if case.mode in ("eager", "jit"):
+        fn = lambda x: (call(x),)  # noqa: E731
+    elif case.mode == "jvp":
+        fn = lambda x: jax.jvp(call, (x,), (x + 0.5,))  # noqa: E731
+    elif case.mode == "grad":
+        fn = lambda x: (jax.grad(lambda x: jnp.sum(weighted(call(x))))(x),)  # noqa: E731
+    else:
+        fn = lambda x: (jax.vmap(call)(x),)  # noqa: E731
+    fn = jax.jit(fn) if case.jit else fn
+    x = jnp.asarray(np.stack([xs[m][RANK] for m in range(members)]) if members > 1 else xs[0][RANK])
+    run = lambda: fn(x)  # noqa: E731
+
+    if case.mistake in WRONG_BLOCKS:  # every rank, before any MPI call
+        return Plan(run, [Expect(None, (("x", None),), operation=name)] * SIZE)
+    blocks = [s[1:] if case.op == "neighbor_alltoall" else s for s in case.shape]
+    if len(set(zip(case.dtype, blocks, strict=True))) > 1:  # (checking mode only)
+        return Plan(run, [Expect(None, (("jaxcomm check", None),), operation=name)] * SIZE)
+    outs = [blocks_reference(case.op, xs[m], case.hood) for m in range(members)]
+    if case.mode == "jvp":
+        tangents = blocks_reference(case.op, [x + 0.5 for x in xs[0]], case.hood)
+        values = [(outs[0][r], tangents[r]) for r in range(SIZE)]
+    elif case.mode == "grad":
+        first = np.cumsum([0, *(x.size for x in xs[0])])
+        labels = [labelled(x.shape, first[r] + 1) for r, x in enumerate(xs[0])]
+        landed = [(y,) for y in blocks_reference(case.op, labels, case.hood)]
+        grads = gradient_reference(labels, landed, weights)
+        values = [(g.astype(case.dtype[r]),) for r, g in enumerate(grads)]
+    else:
+        values = [(np.stack([o[r] for o in outs]) if members > 1 else outs[0][r],)
+                  for r in range(SIZE)]  # fmt: skip
+    return Plan(run, [Expect(v, operation=name) for v in values])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("op", ("neighbor_alltoall", "neighbor_allgather"))
+@SETTINGS
+@given(data=st.data())
+def test_neighbor_blocks(comm, checking, op, mode, data):
+    case = data.draw(block_cases(op, mode), label="case")
+    run_case(case, comm, checking, plan_blocks)
+
+
+# -- misuse the properties may not draw at every size -----------------------------------
+
+
+@pytest.mark.parametrize("op", ["scatterv", "iscatterv"])
+def test_a_root_without_counts_is_named(comm, op):
+    """Each rank the root of its own call, so that every rank raises before any
+    MPI call, naming the operation and its counts."""
+    with pytest.raises(ValueError, match=rf"^{op}: the root \(rank {RANK}\) must pass counts"):
+        getattr(comm, op)(jnp.zeros((2, 3)), None, RANK, capacity=2)
+
+
+#: Graphs in which no rank waits for another, whatever it refuses: each rank its
+#: own only neighbour, or no neighbours at all.
+ALONE = {"self-loop": lambda: ([RANK], [RANK]), "no edges": lambda: ([], [])}
+
+
+@pytest.mark.parametrize("edges", ALONE)
+@pytest.mark.parametrize("op", ["neighbor_allgatherv", "ineighbor_allgatherv"])
+@pytest.mark.parametrize("count", [np.int8(-2), np.int32(3), 2**64 - 1])
+def test_a_refused_count_is_named_under_grad(comm, edges, op, count):
+    """The refusal of a count reaches its rank under grad, at the adjoint's
+    exchange, where a rank without destinations gets nothing back; and a count
+    of any dtype (2**64 - 1: uint64) is traced there as in the exchange."""
+    graph = comm.create_dist_graph(*ALONE[edges]())
+
+    def gathered(x):
+        if op == "neighbor_allgatherv":
+            return graph.neighbor_allgatherv(x, capacity=4, count=count)[0]
+        return graph.wait(graph.ineighbor_allgatherv(x, capacity=4, count=count))[0]
+
+    grad = jax.grad(lambda x: jnp.sum(gathered(x)))
+    try:
+        for run in (grad, jax.jit(grad)):
+            with pytest.raises(Exception, match=rf"\bcount=\[{count}\]"):
+                jax.block_until_ready(run(jnp.ones((2, 3))))
+    finally:
+        graph.free()
+
+
+def test_empty_float_counts_are_refused(comm):
+    """As float counts on a rank that has destinations are (no edges: no rank
+    waits for another)."""
+    refused = pytest.raises(TypeError, match=r"neighbor_alltoallv: send_counts must be integers")
+    with comm.create_dist_graph([], []) as graph, refused:
+        graph.neighbor_alltoallv(jnp.zeros((1, 2)), np.zeros(0, np.float32), capacity=1)
 
 
 # -- roots, ranks and tags -----------------------------------------------------------
