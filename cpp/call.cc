@@ -174,6 +174,7 @@ Call::Call(int64_t comm_key, bool check)
     : comm_(comm_of(comm_key)), check_(check), operation_(current_operation()) {
   calls.fetch_add(1, std::memory_order_relaxed);
   const Settings& s = settings();
+  recording_ = check_ || s.debug || s.timeout > 0;
   if (s.debug) start_ = Clock::now();
   if (s.timeout > 0) {
     start_watchdog();
@@ -198,13 +199,7 @@ void Call::show_watchdog() const {
   watch().current = description() + peers_;
 }
 
-Call& Call::param(std::string_view name, int64_t value) {
-  return param(name, std::string_view(std::to_string(value)));
-}
-
-Call& Call::param(std::string_view name, std::string_view value) {
-  const Settings& s = settings();
-  if (!(check_ || s.debug || s.timeout > 0)) return *this;
+Call& Call::record(std::string_view name, std::string_view value) {
   params_.append(", ").append(name).append("=").append(value);
   show_watchdog();
   return *this;

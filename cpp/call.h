@@ -74,9 +74,17 @@ class Call {
   bool checking() const { return check_; }
 
   // A parameter that must agree across ranks (root, reduction op), for the log
-  // and the fingerprint; the op comes first. Returns *this for chaining.
-  Call& param(std::string_view name, int64_t value);
-  Call& param(std::string_view name, std::string_view value);
+  // and the fingerprint; the op comes first. Returns *this for chaining. Made
+  // into text only where it is recorded: each call pays for the test alone.
+  Call& param(std::string_view name, int64_t value) {
+    return recording_ ? record(name, std::to_string(value)) : *this;
+  }
+  Call& param(std::string_view name, std::string_view value) {
+    return recording_ ? record(name, value) : *this;
+  }
+  Call& param(std::string_view name, ffi::DataType dtype) {  // by NumPy's name
+    return recording_ ? record(name, dtype_name(dtype)) : *this;
+  }
   Call& reduce_op(int32_t op);
   // The data's leading axis counts blocks, which ranks may have different
   // numbers of (a graph's neighbour exchange): the fingerprint and the log
@@ -129,6 +137,7 @@ class Call {
                             ffi::DataType dtype, ffi::Span<const int64_t> dims);
 
  private:
+  Call& record(std::string_view name, std::string_view value);  // a param
   ffi::Error mismatch_error(int source, int tag) const;
   MessageHeader make_header(int64_t pieces) const;
   void show_watchdog() const;  // what the watchdog reports if this call hangs
@@ -140,6 +149,7 @@ class Call {
 
   MPI_Comm comm_;
   bool check_;
+  bool recording_;  // params: checking mode, the log or the watchdog
   std::string_view operation_;
   bool has_array_ = false;
   bool per_block_ = false;

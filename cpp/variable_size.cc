@@ -306,7 +306,7 @@ class Rows {
     capacity_ = out->dimensions()[first];
     elements_ = elements;
     bytes_ = elements * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
-    call.param("dtype", dtype_name(x.element_type())).param("row", elements);
+    call.param("dtype", x.element_type()).param("row", elements);
     if (members_ > 1) call.param("batch", members_);
     call.param(given, exchange ? "exchanged" : "given");
     auto [error, comm, type] = start(call, x);
