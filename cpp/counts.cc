@@ -79,7 +79,10 @@ Counts::Counts(const Buffer& buffer, std::string_view name, int64_t members, int
   }
   if (buffer.element_type() == ffi::DataType::S32) {  // the usual case: read where XLA holds it
     values_ = {static_cast<const int*>(buffer.untyped_data()), n};
-    if (std::all_of(values_.begin(), values_.end(), [](int c) { return c >= 0; })) return;
+    if (std::all_of(values_.begin(), values_.end(), [](int c) { return c >= 0; })) {
+      tally();
+      return;
+    }
   }
   bool valid = false;
   const bool integer = with_integer_type(buffer.element_type(), [&]<typename T>() {
@@ -87,6 +90,7 @@ Counts::Counts(const Buffer& buffer, std::string_view name, int64_t members, int
   });
   if (!integer || !valid) owned_.assign(n, 0);  // refused: none at all
   values_ = owned_;
+  tally();
   if (!integer)
     refuse(std::string("must be integers, not ") + dtype_name(buffer.element_type()));
   else if (!valid)
@@ -94,18 +98,20 @@ Counts::Counts(const Buffer& buffer, std::string_view name, int64_t members, int
 }
 
 Counts::Counts(std::vector<int> values, int64_t members, int64_t per_member)
-    : members_(members), per_member_(per_member), owned_(std::move(values)) {
+    : Counts(members, per_member) {
+  owned_ = std::move(values);
   values_ = owned_;
+  tally();
 }
 
-Counts Counts::view(std::span<const int> values, int64_t members, int64_t per_member) {
-  Counts counts(std::vector<int>(), members, per_member);
-  counts.values_ = values;
-  return counts;
+Counts::Counts(Viewed, std::span<const int> values, int64_t members, int64_t per_member)
+    : Counts(members, per_member) {
+  values_ = values;
+  tally();
 }
 
 void Counts::within(int64_t rows) {
-  if (!valid()) return;
+  if (!valid() || most_ <= rows) return;
   for (int64_t b = 0; b < members_; ++b) {
     if (rows_in(member(b)) > rows) {
       asked_owned_.assign(values_.begin(), values_.end());
@@ -116,6 +122,7 @@ void Counts::within(int64_t rows) {
       // The values passed are shown by refuse; they are zeros from here on.
       refuse(why);
       values_ = owned_;
+      tally();
       return;
     }
   }
@@ -131,13 +138,13 @@ Counts Counts::repeated(int64_t peers) const {
   return each;
 }
 
-int64_t Counts::most() const {
-  int64_t most = 0;
-  for (int64_t b = 0; b < members_; ++b) most = std::max(most, rows_in(member(b)));
-  return most;
+void Counts::tally() {
+  total_ = rows_in(values_);
+  most_ = total_;  // one member's
+  if (members_ == 1) return;
+  most_ = 0;
+  for (int64_t b = 0; b < members_; ++b) most_ = std::max(most_, rows_in(member(b)));
 }
-
-int64_t Counts::total() const { return rows_in(values_); }
 
 void Counts::refuse(const std::string& why) {
   std::string passed = "?";

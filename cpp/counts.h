@@ -25,8 +25,13 @@ class Counts {
   Counts(const Buffer& buffer, std::string_view name, int64_t members, int64_t per_member);
   // Counts known already (exchanged between the ranks): valid.
   Counts(std::vector<int> values, int64_t members, int64_t per_member);
-  // Valid counts that live elsewhere, as long as this object.
-  static Counts view(std::span<const int> values, int64_t members, int64_t per_member);
+  // Valid counts that live elsewhere, unchanged, as long as this object; made in
+  // place (std::optional's emplace) with Viewed{} first.
+  struct Viewed {};
+  Counts(Viewed, std::span<const int> values, int64_t members, int64_t per_member);
+  static Counts view(std::span<const int> values, int64_t members, int64_t per_member) {
+    return Counts(Viewed{}, values, members, per_member);
+  }
   Counts(Counts&&) = default;
   Counts& operator=(Counts&&) = default;
   Counts(const Counts&) = delete;  // values_ may point into owned_
@@ -51,17 +56,22 @@ class Counts {
   int64_t members() const { return members_; }
   int64_t per_member() const { return per_member_; }
   // The most rows of any member, and the rows of all members.
-  int64_t most() const;
-  int64_t total() const;
+  int64_t most() const { return most_; }
+  int64_t total() const { return total_; }
 
  private:
+  Counts(int64_t members, int64_t per_member) : members_(members), per_member_(per_member) {}
   void refuse(const std::string& why);
+  // Adds up most_ and total_ once the values are set: a call asks for them
+  // several times (whether rows fit, where the result's zeros start, ...).
+  void tally();
 
   const Buffer* buffer_ = nullptr;  // as passed, for the error message
   std::string_view name_;
   int64_t members_, per_member_;
   std::span<const int> values_;  // the buffer's own int32 values where valid, or owned_
   std::vector<int> owned_;
+  int64_t most_ = 0, total_ = 0;
   std::span<const int> asked_;  // counts refused for adding up to too many rows
   std::vector<int> asked_owned_;
   std::string error_;
