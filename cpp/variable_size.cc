@@ -41,6 +41,7 @@
 #include "memory.h"
 #include "pairing.h"
 #include "requests.h"
+#include "small_vector.h"
 #include "started.h"
 
 // MPI 4 has large-count forms of the variable-size functions (MPI_Alltoallv_c, ...).
@@ -70,14 +71,20 @@ enum Counting : int32_t {
 bool reverses(int32_t counting) { return counting == kReversed || counting == kRegathered; }
 bool mirrors(int32_t counting) { return counting == kMirrored || reverses(counting); }
 
+// A value per peer (of a batch: per peer and member), in place up to 64: made on
+// every call, they would otherwise cost a small exchange a heap allocation each
+// (small_vector.h).
+template <typename T>
+using PerPeer = SmallVector<T, 64>;
+
 // Counts of rows and where each peer's rows start, of the types MPI's function
 // takes: ints, or MPI 4's MPI_Count and MPI_Aint (the _c functions) beyond int.
 template <typename C, typename S>
 struct Counted {
   using Count = C;
   using Start = S;
-  std::vector<Count> counts;
-  std::vector<Start> starts;
+  PerPeer<Count> counts;
+  PerPeer<Start> starts;
 };
 using IntCounts = Counted<int, int>;
 
@@ -127,8 +134,9 @@ struct Functions<LargeCounts> {
 
 // `data`, or where it is null (an empty buffer) a byte that no one reads: Open
 // MPI refuses a null buffer even where its count is zero.
-char* non_null(char* data) {
-  static char nothing;
+template <typename T>
+T* non_null(T* data) {
+  static T nothing{};
   return data != nullptr ? data : &nothing;
 }
 
@@ -360,15 +368,14 @@ class Rows {
   // Counts of rows, and where each peer's rows start, in that unit.
   template <typename Counted, typename T>
   Counted counted(std::span<const T> rows) const {
-    Counted out;
-    // At least one: never a null array for MPI (a rank without neighbours).
-    out.counts.reserve(std::max<size_t>(rows.size(), 1));
-    out.starts.reserve(std::max<size_t>(rows.size(), 1));
+    Counted out;  // never a null array for MPI, even for a rank without neighbours (PerPeer)
+    out.counts.resize_for_overwrite(rows.size());
+    out.starts.resize_for_overwrite(rows.size());
     typename Counted::Start start = 0;
-    for (T r : rows) {
-      out.counts.push_back(unit<typename Counted::Count>(r));
-      out.starts.push_back(start);
-      start += out.counts.back();
+    for (size_t i = 0; i < rows.size(); ++i) {
+      out.counts[i] = unit<typename Counted::Count>(rows[i]);
+      out.starts[i] = start;
+      start += out.counts[i];
     }
     return out;
   }
@@ -512,23 +519,28 @@ Sending sending(const Rows& rows, const Buffer& x, const Counts& sent, int32_t c
   return s;
 }
 
-// The counts MPI sends: the asked ones where a refused rank pads with zeros.
-Counts sent_counts(const Counts& sent, int32_t counting) {
-  return Counts::view(pads(sent, counting) ? sent.asked() : sent.values(), sent.members(),
-                      sent.per_member());
+// The counts MPI sends: the asked ones where a refused rank pads with zeros
+// (viewed by `padded`), else `own` itself.
+std::span<const int> sent_values(const Counts& own, int32_t counting) {
+  return pads(own, counting) ? own.asked() : own.values();
+}
+const Counts& sent_counts(const Counts& own, int32_t counting, std::optional<Counts>& padded) {
+  if (!pads(own, counting)) return own;
+  return padded.emplace(Counts::Viewed{}, own.asked(), own.members(), own.per_member());
 }
 
-// The counts this rank receives: `exchanged` (what the senders said), unless
-// given (`given`, the argument `name`). In checking mode every rank compares its
-// given counts with the exchanged ones. Given counts that no exchange could match
-// (negative, beyond int32) are refused before the exchange, as a bad root is:
-// rows would arrive for which this rank has no count, and MPI cannot take them
-// without leaving messages that a later collective would match.
+// The counts this rank receives: `exchanged` (what the senders said, viewed: they
+// outlive `out`), unless given (`given`, the argument `name`). In checking mode
+// every rank compares its given counts with the exchanged ones. Given counts
+// that no exchange could match (negative, beyond int32) are refused before the
+// exchange, as a bad root is: rows would arrive for which this rank has no
+// count, and MPI cannot take them without leaving messages that a later
+// collective would match.
 ffi::Error received_counts(Rows& rows, int32_t counting, bool check, const Buffer& given,
-                           const char* name, std::vector<int> exchanged, int64_t per_member,
+                           const char* name, std::span<const int> exchanged, int64_t per_member,
                            std::optional<Counts>& out) {
   if (counting == kExchanged) {
-    out.emplace(std::move(exchanged), rows.members(), per_member);
+    out.emplace(Counts::Viewed{}, exchanged, rows.members(), per_member);
     return ffi::Error::Success();
   }
   if (counting == kRegathered) {  // capacity: one block of x's rows per source, at least one
@@ -564,39 +576,37 @@ ffi::Error received_counts(Rows& rows, int32_t counting, bool check, const Buffe
 }
 
 // alltoallv's counts: this rank's own (refused, and so none, if invalid), one
-// per destination, and those it receives, one per source, given or exchanged.
+// per destination, and those it receives, one per source, given or exchanged
+// (into `exchanged`, which `received` views).
 ffi::Error alltoallv_counts(Call& call, Rows& rows, const Peers& peers, const Buffer& send_counts,
                             const Buffer& given_counts, int32_t counting, bool check,
-                            std::optional<Counts>& own, std::optional<Counts>& received) {
+                            std::optional<Counts>& own, PerPeer<int>& exchanged,
+                            std::optional<Counts>& received) {
   const bool exchange = counting == kExchanged;
   MPI_Comm comm = rows.comm();
   const int64_t members = rows.members();
   Counts& sent = own.emplace(send_counts, "send_counts", members, peers.destinations());
   sent.within(rows.rows());
-  std::vector<int> exchanged(static_cast<size_t>(members * peers.sources()), 0);
+  exchanged.resize(static_cast<size_t>(members * peers.sources()), 0);
   if (exchange || check) {
-    // Each peer gets its counts of every member together. (Never empty: MPI may
-    // refuse a null buffer even where no peer reads it.)
+    // Each peer gets its counts of every member together, and they arrive in
+    // `exchanged`, transposed back for several members. (Never a null buffer: MPI
+    // may refuse one even where no peer reads it.)
     std::vector<int> storage;
     const auto out =
-        transposed(sent_counts(sent, counting).values(), members, peers.destinations(), storage);
-    std::vector<int> sending(out.begin(), out.end()), in(exchanged.size() + 1, 0);
-    sending.push_back(0);
-    JAXCOMM_CHECK_MPI(peers.alltoall(sending.data(), in.data(), static_cast<int>(members), comm),
-                      call.operation(), comm);
-    in.pop_back();
-    const auto back = transposed(in, peers.sources(), members, storage);
-    exchanged.assign(back.begin(), back.end());
+        transposed(sent_values(sent, counting), members, peers.destinations(), storage);
+    JAXCOMM_CHECK_MPI(
+        peers.alltoall(non_null(out.data()), exchanged.data(), static_cast<int>(members), comm),
+        call.operation(), comm);
+    const auto back = transposed(exchanged, peers.sources(), members, storage);
+    if (back.data() != exchanged.data()) std::copy(back.begin(), back.end(), exchanged.begin());
   }
   // An adjoint's recv_counts are the send_counts (or count) of the exchange it reverses.
   const char* given_name = counting == kReversed     ? "send_counts"
                            : counting == kRegathered ? "count"
                                                      : "recv_counts";
-  if (auto err = received_counts(rows, counting, check, given_counts, given_name,
-                                 std::move(exchanged), peers.sources(), received);
-      err.failure())
-    return err;
-  return rows.fit(sent_counts(sent, counting).total(), received->total());
+  return received_counts(rows, counting, check, given_counts, given_name, exchanged,
+                         peers.sources(), received);
 }
 
 // Where an exchange's rows go from and to. A blocking call: MPI's blocking
@@ -632,7 +642,7 @@ class Transfer {
   bool posting() const { return request_ != nullptr; }
   // What MPI's function reads `values` from: a copy the request owns for a start.
   template <typename T>
-  const T* keep(const std::vector<T>& values) {
+  const T* keep(const PerPeer<T>& values) {
     if (!posting()) return values.data();
     return reinterpret_cast<const T*>(pending_.own_copy(values.data(), values.size() * sizeof(T)));
   }
@@ -711,13 +721,16 @@ ffi::Error exchange_rows(bool neighbors, const Buffer& x, const Buffer& send_cou
   Peers peers;
   if (auto err = Peers::of(rows.comm(), neighbors, call.operation(), &peers); err.failure())
     return err;
+  PerPeer<int> exchanged;  // viewed by received_counts
   std::optional<Counts> own, received_counts;
   if (auto err = alltoallv_counts(call, rows, peers, send_counts, given_counts, counting, check,
-                                  own, received_counts);
+                                  own, exchanged, received_counts);
       err.failure())
     return err;
-  const Counts sent = sent_counts(*own, counting);
+  std::optional<Counts> padded;
+  const Counts& sent = sent_counts(*own, counting, padded);
   const Counts& received = *received_counts;
+  if (auto err = rows.fit(sent.total(), received.total()); err.failure()) return err;
   const Sending from = sending(rows, x, *own, counting);
   Transfer t(call, comm_key, rows, x, from, received, out, request);
   Blocks out_blocks(sent), in_blocks(received);
@@ -784,8 +797,9 @@ ffi::Error gather_rows(Call& call, bool neighbors, const Buffer& x, const Buffer
   const int64_t members = rows.members();
   Counts own(count, "count", members, 1);
   own.within(rows.rows());
-  const Counts sent = sent_counts(own, counting);
-  std::vector<int> exchanged(static_cast<size_t>(members * size), 0);
+  std::optional<Counts> padded;
+  const Counts& sent = sent_counts(own, counting, padded);
+  PerPeer<int> exchanged(static_cast<size_t>(members * size), 0);  // viewed by `counts`
   // allgatherv's result is one value on every rank: where it lacks a rank's
   // rows (a refused count) or does not fit a rank's capacity, every rank raises.
   // So each rank sends its capacity beside each count, and -1 for a refused one.
@@ -794,8 +808,9 @@ ffi::Error gather_rows(Call& call, bool neighbors, const Buffer& x, const Buffer
   std::string everyone_fails;
   if (exchange || check) {
     const int per_rank = static_cast<int>(replicated ? 2 * members : members);
-    // Never empty: MPI may refuse a null buffer even where no peer reads it.
-    std::vector<int> mine(per_rank + 1), in(static_cast<size_t>(per_rank) * size + 1);
+    // Never a null buffer (PerPeer's never is): MPI may refuse one even where no
+    // peer reads it.
+    PerPeer<int> mine(per_rank), in(static_cast<size_t>(per_rank) * size);
     for (int64_t b = 0; b < members; ++b) {
       const int c = replicated && !own.valid() ? -1 : sent.member(b)[0];
       if (replicated) {
@@ -809,9 +824,8 @@ ffi::Error gather_rows(Call& call, bool neighbors, const Buffer& x, const Buffer
                                : MPI_Gather(mine.data(), per_rank, MPI_INT, in.data(), per_rank,
                                             MPI_INT, root, comm),
                       call.operation(), comm);
-    in.resize(static_cast<size_t>(per_rank) * size);
     if (replicated) {  // counts and capacities apart; who makes every rank fail
-      std::vector<int> capacities(size), totals(members, 0);
+      PerPeer<int> capacities(size), totals(members, 0);
       for (int r = 0; r < size; ++r)
         for (int64_t b = 0; b < members; ++b) {
           int& c = in[(r * members + b) * 2];
@@ -833,12 +847,12 @@ ffi::Error gather_rows(Call& call, bool neighbors, const Buffer& x, const Buffer
     }
     std::vector<int> storage;
     const auto back = transposed(in, size, members, storage);
-    exchanged.assign(back.begin(), back.end());
+    std::copy(back.begin(), back.end(), exchanged.begin());
   }
   std::optional<Counts> counts;
   if (receives) {
-    if (auto err = received_counts(rows, counting, check, given_counts, "counts",
-                                   std::move(exchanged), size, counts);
+    if (auto err =
+            received_counts(rows, counting, check, given_counts, "counts", exchanged, size, counts);
         err.failure())
       return err;
   } else {
@@ -851,8 +865,10 @@ ffi::Error gather_rows(Call& call, bool neighbors, const Buffer& x, const Buffer
     counts.emplace(std::move(mine), members, size);
   }
   const Counts& received = *counts;
-  const Counts none(std::vector<int>(static_cast<size_t>(members * size), 0), members, size);
-  const Counts& arriving = receives ? received : none;
+  std::optional<Counts> none;  // what arrives off the root
+  if (!receives)
+    none.emplace(std::vector<int>(static_cast<size_t>(members * size), 0), members, size);
+  const Counts& arriving = receives ? received : *none;
   if (auto err = rows.fit(sent.total(), arriving.total()); err.failure()) return err;
   const Sending from = sending(rows, x, own, counting);
   Transfer t(call, comm_key, rows, x, from, arriving, out, request);
@@ -918,14 +934,16 @@ ffi::Error scatter_rows(const Buffer& x, const Buffer& counts, const Buffer& giv
   const bool is_root = comm_rank(comm) == root;
   const int64_t members = rows.members();
   // Only the root's counts are read; elsewhere they are none.
+  const PerPeer<int> none(is_root ? 0 : static_cast<size_t>(members * size), 0);
   std::optional<Counts> own;
   if (is_root) {
     own.emplace(counts, "counts", members, size).within(rows.rows());
   } else {
-    own.emplace(std::vector<int>(static_cast<size_t>(members * size), 0), members, size);
+    own.emplace(Counts::Viewed{}, none, members, size);
   }
-  const Counts sent = sent_counts(*own, counting);
-  std::vector<int> exchanged(static_cast<size_t>(members), 0);
+  std::optional<Counts> padded;
+  const Counts& sent = sent_counts(*own, counting, padded);
+  PerPeer<int> exchanged(static_cast<size_t>(members), 0);  // viewed by received_list
   if (exchange || check) {
     std::vector<int> storage;
     const auto out_counts = transposed(sent.values(), members, size, storage);
@@ -935,8 +953,8 @@ ffi::Error scatter_rows(const Buffer& x, const Buffer& counts, const Buffer& giv
         call.operation(), comm);
   }
   std::optional<Counts> received_list;
-  if (auto err = received_counts(rows, counting, check, given_count, "count", std::move(exchanged),
-                                 1, received_list);
+  if (auto err =
+          received_counts(rows, counting, check, given_count, "count", exchanged, 1, received_list);
       err.failure())
     return err;
   const Counts& received = *received_list;
