@@ -158,9 +158,9 @@ Batch batch_of(const Buffer& counts, size_t unbatched) {
 // its own transpose; the count exchanges send each peer its counts of every
 // member together.
 std::span<const int> transposed(std::span<const int> values, int64_t rows, int64_t cols,
-                                std::vector<int>& storage) {
+                                PerPeer<int>& storage) {
   if (rows == 1 || cols == 1) return values;
-  storage.resize(values.size());
+  storage.resize_for_overwrite(values.size());
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) storage[c * rows + r] = values[r * cols + c];
   return storage;
@@ -176,7 +176,7 @@ class Blocks {
   // Rows to or from each peer, all members together.
   std::span<const int64_t> per_peer() {
     if (per_peer_.empty()) {
-      per_peer_.assign(counts_.per_member(), 0);
+      per_peer_.resize(counts_.per_member(), 0);
       for (int64_t b = 0; b < counts_.members(); ++b) {
         const auto member = counts_.member(b);
         for (size_t p = 0; p < member.size(); ++p) per_peer_[p] += member[p];
@@ -209,7 +209,7 @@ class Blocks {
   template <typename F>
   void each_block(F&& f) const {
     const int64_t members = counts_.members(), peers = counts_.per_member();
-    std::vector<int64_t> at(members, 0);
+    PerPeer<int64_t> at(members, 0);
     for (int64_t p = 0; p < peers; ++p)
       for (int64_t b = 0; b < members; ++b) {
         const int rows = counts_.member(b)[p];
@@ -219,7 +219,7 @@ class Blocks {
   }
 
   const Counts& counts_;
-  std::vector<int64_t> per_peer_;
+  PerPeer<int64_t> per_peer_;
 };
 
 // Whom a rank exchanges rows with: every rank of the communicator, or (the
@@ -592,7 +592,7 @@ ffi::Error alltoallv_counts(Call& call, Rows& rows, const Peers& peers, const Bu
     // Each peer gets its counts of every member together, and they arrive in
     // `exchanged`, transposed back for several members. (Never a null buffer: MPI
     // may refuse one even where no peer reads it.)
-    std::vector<int> storage;
+    PerPeer<int> storage;
     const auto out =
         transposed(sent_values(sent, counting), members, peers.destinations(), storage);
     JAXCOMM_CHECK_MPI(
@@ -845,7 +845,7 @@ ffi::Error gather_rows(Call& call, bool neighbors, const Buffer& x, const Buffer
                            std::to_string(most) + " rows gathered";
       in.resize(static_cast<size_t>(members) * size);
     }
-    std::vector<int> storage;
+    PerPeer<int> storage;
     const auto back = transposed(in, size, members, storage);
     std::copy(back.begin(), back.end(), exchanged.begin());
   }
@@ -945,7 +945,7 @@ ffi::Error scatter_rows(const Buffer& x, const Buffer& counts, const Buffer& giv
   const Counts& sent = sent_counts(*own, counting, padded);
   PerPeer<int> exchanged(static_cast<size_t>(members), 0);  // viewed by received_list
   if (exchange || check) {
-    std::vector<int> storage;
+    PerPeer<int> storage;
     const auto out_counts = transposed(sent.values(), members, size, storage);
     const int n = static_cast<int>(members);
     JAXCOMM_CHECK_MPI(
