@@ -33,6 +33,7 @@ __all__ = [
     "chain_marker",
     "continue_chain",
     "current_trace",
+    "forget_failed_calls",
     "host_arrays",
     "lower_identity",
     "lower_with_token",
@@ -335,3 +336,30 @@ def continue_chain(marker: jax.Array) -> None:
     """Make `marker`, the last ordered call's, what the next call with COMM_EFFECT
     waits for: JAX's Python dispatch and jax.effects_barrier wait for it."""
     _chain.token._buf = marker
+
+
+def forget_failed_calls() -> None:
+    """Wait for this thread's last computations with an effect; forget the tokens
+    of those that failed.
+
+    A failed computation's error is on every output, its tokens included, and
+    JAX makes the next computation with the effect wait for that token: JAX up to
+    0.11 raises the old error at every later call, 0.12 at the next one (which
+    then does not run). The failed computation has finished, so forgetting its
+    token loses no ordering: the next call starts a fresh chain.
+    """
+    tokens = dispatch.runtime_tokens
+    for effect, token in list(tokens.current_tokens.items()):
+        if _failed(token):
+            del tokens.current_tokens[effect]
+    for device, token in list(tokens.output_runtime_tokens.items()):
+        if _failed(token):
+            del tokens.output_runtime_tokens[device]
+
+
+def _failed(token: Any) -> bool:
+    try:
+        token.block_until_ready()
+    except jax.errors.JaxRuntimeError:
+        return True
+    return False
