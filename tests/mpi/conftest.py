@@ -12,6 +12,13 @@ from mpi4py import MPI
 # The tests cover 64-bit dtypes; this is test configuration, jaxcomm never sets it.
 jax.config.update("jax_enable_x64", True)
 
+# The suite's arrays live on the host unless JAXCOMM_TEST_DEVICE=gpu puts them on
+# JAX's GPU (test_gpu.py places its own). On a GPU machine JAX's default device
+# is the GPU, where the non-blocking operations refuse arrays and the host-only
+# checks (the eager shortcut's call counts) do not apply.
+if os.environ.get("JAXCOMM_TEST_DEVICE", "cpu") == "cpu":
+    jax.config.update("jax_default_device", jax.devices("cpu")[0])
+
 if os.environ.get("JAXCOMM_TEST_JIT") == "jaxcomm":
     # Run the suite's jitted functions through jaxcomm.jit (its C++ dispatch
     # path and marker chain) instead of jax.jit: test configuration only.
