@@ -9,7 +9,10 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
+
+#include "collectives.h"
 
 namespace jaxcomm {
 namespace {
@@ -102,9 +105,17 @@ std::string human_bytes(double n) {
   return text;
 }
 
+// A registered communicator: its handle and, for a Cartesian or graph
+// communicator, its neighbours (shared with the calls that use them, so that a
+// free during a call leaves the call's intact).
+struct Registered {
+  MPI_Comm comm = MPI_COMM_NULL;
+  std::shared_ptr<const mpi::Neighborhood> neighborhood;
+};
+
 struct Registry {
   std::mutex mutex;
-  std::unordered_map<int64_t, MPI_Comm> comms;
+  std::unordered_map<int64_t, Registered> comms;
 };
 
 Registry& registry() {
@@ -112,11 +123,13 @@ Registry& registry() {
   return r;
 }
 
-MPI_Comm comm_of(int64_t key) {
+// What is registered under `key`: MPI_COMM_NULL if nothing (its communicator
+// has been freed).
+Registered registered(int64_t key) {
   Registry& r = registry();
   std::lock_guard lock(r.mutex);
   auto found = r.comms.find(key);
-  return found == r.comms.end() ? MPI_COMM_NULL : found->second;
+  return found == r.comms.end() ? Registered{} : found->second;
 }
 
 }  // namespace
@@ -124,9 +137,11 @@ MPI_Comm comm_of(int64_t key) {
 void configure(bool debug, double timeout) { current_settings = {debug, timeout}; }
 
 void register_comm(int64_t key, int64_t handle) {
+  const MPI_Comm comm = comm_from_handle(handle);
+  Registered entry{comm, mpi::neighborhood_of(comm)};
   Registry& r = registry();
   std::lock_guard lock(r.mutex);
-  r.comms[key] = comm_from_handle(handle);
+  r.comms[key] = std::move(entry);
 }
 
 void unregister_comm(int64_t key) {
@@ -170,8 +185,10 @@ Entered::Entered(std::string_view operation) : outer_(entered_operation) {
 Entered::~Entered() { entered_operation = outer_; }
 std::string_view current_operation() { return entered_operation; }
 
-Call::Call(int64_t comm_key, bool check)
-    : comm_(comm_of(comm_key)), check_(check), operation_(current_operation()) {
+Call::Call(int64_t comm_key, bool check) : check_(check), operation_(current_operation()) {
+  Registered found = registered(comm_key);
+  comm_ = found.comm;
+  neighborhood_ = std::move(found.neighborhood);
   calls.fetch_add(1, std::memory_order_relaxed);
   const Settings& s = settings();
   recording_ = check_ || s.debug || s.timeout > 0;
@@ -276,6 +293,13 @@ ffi::Error Call::live() const {
                     "jaxcomm: " + std::string(operation_) +
                         " on a communicator that has been freed (a function compiled with a "
                         "JaxComm was called after its free())");
+}
+
+ffi::Error Call::neighborhood(const mpi::Neighborhood** found) const {
+  *found = neighborhood_.get();
+  if (neighborhood_) return ffi::Error::Success();
+  return invalid_argument(
+      operation_, "needs a Cartesian or graph communicator (create_cart, create_dist_graph)");
 }
 
 ffi::Error Call::agree() {

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -18,6 +19,10 @@
 
 namespace jaxcomm {
 
+namespace mpi {
+struct Neighborhood;  // collectives.h
+}
+
 // JAXCOMM_DEBUG and JAXCOMM_TIMEOUT (seconds; 0: no watchdog), as jaxcomm._settings
 // read them at import.
 void configure(bool debug, double timeout);
@@ -25,6 +30,9 @@ void configure(bool debug, double timeout);
 // The communicators that jaxcomm's operations may use, by key. Compiled code
 // holds a key, not the MPI handle: a freed communicator's key is gone, and MPI
 // may hand its handle to the next communicator made. Keys are never reused.
+// A Cartesian or graph communicator's neighbours are asked of MPI here, once:
+// they never change while it lives, and a neighbour exchange would otherwise
+// ask on every call.
 void register_comm(int64_t key, int64_t handle);
 void unregister_comm(int64_t key);
 
@@ -70,6 +78,10 @@ class Call {
   Call& operator=(const Call&) = delete;
 
   MPI_Comm comm() const { return comm_; }
+  // The communicator's neighbours into `*found` (valid while this Call lives), or
+  // an error naming the operation if it has no Cartesian or distributed-graph
+  // topology.
+  ffi::Error neighborhood(const mpi::Neighborhood** found) const;
   std::string_view operation() const { return operation_; }
   bool checking() const { return check_; }
 
@@ -148,6 +160,7 @@ class Call {
   std::string receiving_;  // describe_array of the receive buffer
 
   MPI_Comm comm_;
+  std::shared_ptr<const mpi::Neighborhood> neighborhood_;  // as registered; null: none
   bool check_;
   bool recording_;  // params: checking mode, the log or the watchdog
   std::string_view operation_;

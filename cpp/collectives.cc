@@ -8,6 +8,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -107,18 +108,16 @@ ffi::Error Barrier(Token, TokenOut, int64_t comm_key, bool check) {
 
 namespace jaxcomm::mpi {
 
-ffi::Error neighborhood(MPI_Comm comm, std::string_view operation, Neighborhood* found) {
+std::shared_ptr<const Neighborhood> neighborhood_of(MPI_Comm comm) {
   int kind = MPI_UNDEFINED;
   MPI_Topo_test(comm, &kind);
-  found->grid.clear();
+  if (kind != MPI_DIST_GRAPH && kind != MPI_CART) return nullptr;
+  auto found = std::make_shared<Neighborhood>();
   if (kind == MPI_DIST_GRAPH) {
     int weighted = 0;
     MPI_Dist_graph_neighbors_count(comm, &found->sources, &found->destinations, &weighted);
-    return ffi::Error::Success();
+    return found;
   }
-  if (kind != MPI_CART)
-    return invalid_argument(
-        operation, "needs a Cartesian or graph communicator (create_cart, create_dist_graph)");
   int dims = 0;
   MPI_Cartdim_get(comm, &dims);
   for (int d = 0; d < dims; ++d) {
@@ -128,7 +127,7 @@ ffi::Error neighborhood(MPI_Comm comm, std::string_view operation, Neighborhood*
     found->grid.push_back(upper);
   }
   found->sources = found->destinations = 2 * dims;
-  return ffi::Error::Success();
+  return found;
 }
 
 ffi::Error check_blocks(std::string_view operation, const Neighborhood& hood,
@@ -160,14 +159,14 @@ ffi::Error NeighborAllgather(Token, Buffer x, TokenOut, Result out, int64_t comm
   Call call(comm_key, check, x);
   auto [error, comm, type] = start(call, x);
   if (error.failure()) return error;
-  Neighborhood hood;
-  if (auto err = neighborhood(comm, call.operation(), &hood); err.failure()) return err;
-  if (auto err = check_blocks(call.operation(), hood, *out, nullptr); err.failure()) return err;
+  const Neighborhood* hood = nullptr;
+  if (auto err = call.neighborhood(&hood); err.failure()) return err;
+  if (auto err = check_blocks(call.operation(), *hood, *out, nullptr); err.failure()) return err;
   Block block(x.element_count(), type);
   JAXCOMM_CHECK_MPI(MPI_Neighbor_allgather(x.untyped_data(), block.count(), block.type(),
                                            out->untyped_data(), block.count(), block.type(), comm),
                     call.operation(), comm);
-  zero_missing(bytes(out), hood, static_cast<int64_t>(x.size_bytes()));
+  zero_missing(bytes(out), *hood, static_cast<int64_t>(x.size_bytes()));
   return ffi::Error::Success();
 }
 
@@ -176,15 +175,16 @@ ffi::Error NeighborAlltoall(Token, Buffer x, TokenOut, Result out, int64_t comm_
   Call call(comm_key, check, x);
   auto [error, comm, type] = start(call.per_block(), x);
   if (error.failure()) return error;
-  Neighborhood hood;
-  if (auto err = neighborhood(comm, call.operation(), &hood); err.failure()) return err;
-  if (auto err = check_blocks(call.operation(), hood, *out, &x); err.failure()) return err;
+  const Neighborhood* hood = nullptr;
+  if (auto err = call.neighborhood(&hood); err.failure()) return err;
+  if (auto err = check_blocks(call.operation(), *hood, *out, &x); err.failure()) return err;
   const int64_t elements = block_elements(x);
   Block block(elements, type);
   JAXCOMM_CHECK_MPI(MPI_Neighbor_alltoall(x.untyped_data(), block.count(), block.type(),
                                           out->untyped_data(), block.count(), block.type(), comm),
                     call.operation(), comm);
-  zero_missing(bytes(out), hood, elements * static_cast<int64_t>(ffi::ByteWidth(x.element_type())));
+  zero_missing(bytes(out), *hood,
+               elements * static_cast<int64_t>(ffi::ByteWidth(x.element_type())));
   return ffi::Error::Success();
 }
 

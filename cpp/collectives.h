@@ -6,6 +6,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <memory>
 #include <string_view>
 #include <vector>
 
@@ -36,9 +37,10 @@ struct Neighborhood {
   int destinations = 0;
   std::vector<int> grid;
 };
-// comm's neighbourhood into `found`, or an error naming `operation` if comm has
-// no Cartesian or distributed-graph topology.
-ffi::Error neighborhood(MPI_Comm comm, std::string_view operation, Neighborhood* found);
+// comm's neighbourhood, or null if comm has no Cartesian or distributed-graph
+// topology. Asked once, when jaxcomm registers comm (call.h, register_comm): a
+// handler takes it from its Call (Call::neighborhood).
+std::shared_ptr<const Neighborhood> neighborhood_of(MPI_Comm comm);
 // An error naming `operation` unless `out` holds a block per source along its
 // leading axis and, for an alltoall, `x` one per destination.
 ffi::Error check_blocks(std::string_view operation, const Neighborhood& hood,

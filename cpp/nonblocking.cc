@@ -142,10 +142,11 @@ ffi::Error exchange_blocks(const BlockExchange& kind, const Buffer& x, Result& o
   // A graph's ranks send different numbers of blocks: checking mode compares one.
   auto [error, comm, type] = start(kind.neighborhood && kind.split ? call.per_block() : call, x);
   if (error.failure()) return error;
-  Neighborhood hood;
+  static const Neighborhood kEveryRank;  // no grid: nothing to swap or zero
+  const Neighborhood* hood = &kEveryRank;
   if (kind.neighborhood) {
-    if (auto err = neighborhood(comm, name, &hood); err.failure()) return err;
-    if (auto err = check_blocks(name, hood, *out, kind.split ? &x : nullptr); err.failure())
+    if (auto err = call.neighborhood(&hood); err.failure()) return err;
+    if (auto err = check_blocks(name, *hood, *out, kind.split ? &x : nullptr); err.failure())
       return err;
   }
   // A block is x, or one row of x (whose leading axis counts its blocks).
@@ -155,12 +156,12 @@ ffi::Error exchange_blocks(const BlockExchange& kind, const Buffer& x, Result& o
   Owned owned = own_buffers(name, comm_key, check, x, out);
   const size_t block_bytes = elements * ffi::ByteWidth(x.element_type());
   if (kind.split)
-    pair_as_standard(hood.grid, [&](size_t lower) {
+    pair_as_standard(hood->grid, [&](size_t lower) {
       char* blocks = owned.in + lower * block_bytes;
       std::swap_ranges(blocks, blocks + block_bytes, blocks + block_bytes);
     });
   // Blocks from beyond an edge: MPI does not write them, and owned buffers are reused.
-  zero_missing(owned.result, hood, block_bytes);
+  zero_missing(owned.result, *hood, block_bytes);
   JAXCOMM_CHECK_MPI(kind.post(owned.in, block.count(), block.type(), owned.result, block.count(),
                               block.type(), comm, &owned.pending.requests.emplace_back()),
                     name, comm);

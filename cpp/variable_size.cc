@@ -229,16 +229,22 @@ class Blocks {
 // together.
 class Peers {
  public:
-  // An error naming the operation if `neighbors` and comm has no topology.
-  static ffi::Error of(MPI_Comm comm, bool neighbors, std::string_view operation, Peers* found) {
+  // An error naming the operation if `neighbors` and the call's communicator
+  // has no topology.
+  static ffi::Error of(const Call& call, bool neighbors, Peers* found) {
     found->neighbors_ = neighbors;
-    if (neighbors) return neighborhood(comm, operation, &found->hood_);
-    found->hood_.sources = found->hood_.destinations = comm_size(comm);
+    if (neighbors) return call.neighborhood(&found->hood_);
+    found->every_rank_.sources = found->every_rank_.destinations = comm_size(call.comm());
+    found->hood_ = &found->every_rank_;
     return ffi::Error::Success();
   }
+  Peers() = default;
+  Peers(const Peers&) = delete;  // hood_ may point into it
+  Peers& operator=(const Peers&) = delete;
+
   bool neighbors() const { return neighbors_; }
-  int sources() const { return hood_.sources; }
-  int destinations() const { return hood_.destinations; }
+  int sources() const { return hood_->sources; }
+  int destinations() const { return hood_->destinations; }
 
   // `n` ints to each destination from `out`, n from each source into `in`
   // (MPI_Alltoall, MPI_Neighbor_alltoall). From beyond a grid's edge nothing
@@ -259,9 +265,10 @@ class Peers {
   template <typename T>
   void zero_missing(char* into, std::span<const T> rows, int64_t row_bytes) const {
     static const char nothing = 0;
+    const std::vector<int>& grid = hood_->grid;
     int64_t at = 0;
     for (size_t k = 0; k < rows.size(); ++k) {
-      if (k < hood_.grid.size() && hood_.grid[k] == MPI_PROC_NULL)
+      if (k < grid.size() && grid[k] == MPI_PROC_NULL)
         memory().fill(into + at * row_bytes, &nothing, 1, rows[k] * row_bytes);
       at += rows[k];
     }
@@ -273,7 +280,7 @@ class Peers {
   // where the standard puts it.
   template <typename Counted>
   void pair_posted_as_standard(Counted& sent) const {
-    pair_as_standard(hood_.grid, [&](size_t lower) {
+    pair_as_standard(hood_->grid, [&](size_t lower) {
       std::swap(sent.counts[lower], sent.counts[lower + 1]);
       std::swap(sent.starts[lower], sent.starts[lower + 1]);
     });
@@ -281,7 +288,8 @@ class Peers {
 
  private:
   bool neighbors_ = false;
-  Neighborhood hood_;
+  const Neighborhood* hood_ = nullptr;  // the call's (Call::neighborhood), or every_rank_
+  Neighborhood every_rank_;             // every rank of the communicator: no grid
 };
 
 // x's rows: how many each member has, the unit in which MPI counts them (fit),
@@ -719,8 +727,7 @@ ffi::Error exchange_rows(bool neighbors, const Buffer& x, const Buffer& send_cou
   Rows rows(call, x, out, batch_of(send_counts, 1), exchange, "recv_counts");
   if (auto err = rows.take_error(); err.failure()) return err;
   Peers peers;
-  if (auto err = Peers::of(rows.comm(), neighbors, call.operation(), &peers); err.failure())
-    return err;
+  if (auto err = Peers::of(call, neighbors, &peers); err.failure()) return err;
   PerPeer<int> exchanged;  // viewed by received_counts
   std::optional<Counts> own, received_counts;
   if (auto err = alltoallv_counts(call, rows, peers, send_counts, given_counts, counting, check,
@@ -791,7 +798,7 @@ ffi::Error gather_rows(Call& call, bool neighbors, const Buffer& x, const Buffer
   if (auto err = rows.take_error(); err.failure()) return err;
   MPI_Comm comm = rows.comm();
   Peers peers;
-  if (auto err = Peers::of(comm, neighbors, call.operation(), &peers); err.failure()) return err;
+  if (auto err = Peers::of(call, neighbors, &peers); err.failure()) return err;
   const int size = peers.sources(), rank = comm_rank(comm);
   const bool everyone = root < 0, receives = everyone || rank == root;
   const int64_t members = rows.members();
