@@ -15,6 +15,7 @@
 #include "call.h"
 #include "jaxcomm/jaxcomm.h"
 #include "memory.h"
+#include "p2p.h"
 
 namespace jaxcomm::mpi {
 namespace {
@@ -312,7 +313,9 @@ ffi::Error complete(const void* key, void* out, int32_t* status) {
     }
     if (code != MPI_SUCCESS && pending.explain)
       if (auto err = pending.explain(call, statuses); err.failure()) return err;
-    JAXCOMM_CHECK_MPI(code, name, call.comm());
+    // Every request has completed: a message longer than its buffer came whole.
+    if (auto err = check_received(code, name, call.comm(), /*whole=*/true); err.failure())
+      return err;
   }
   if (pending.finish)
     if (auto err = pending.finish(call, statuses, status); err.failure()) return err;

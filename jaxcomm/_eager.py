@@ -179,19 +179,30 @@ class MapCall:
         """Each array's result (None where the primitive has none), and the other
         results of the last message (a receive's status), as NumPy arrays:
         wrapping those as jax.Arrays costs as much as the rest of a small call,
-        and most callers discard them."""
+        and most callers discard them.
+
+        A message that fails does not stop the others, which the peers send and
+        receive all the same: the first error is raised after the last message
+        (jaxcomm._lockstep)."""
         results: list[Any] = [None] * len(arrays)
         rest: Sequence[np.ndarray] = ()
+        error = None
         for message, prepared, wraps in self._steps:
-            if wraps is None:
-                i = message.members[0]
-                outputs = prepared(arrays[i])
-                if outputs:
-                    results[i], rest = outputs[0], outputs[1:]
+            try:
+                if wraps is None:
+                    i = message.members[0]
+                    outputs = prepared(arrays[i])
+                    if outputs:
+                        results[i], rest = outputs[0], outputs[1:]
+                    continue
+                pieces = message.unpack(prepared(message.pack(arrays, np))[0])
+            except jax.errors.JaxRuntimeError as failed:
+                error = error or failed
                 continue
-            pieces = message.unpack(prepared(message.pack(arrays, np))[0])
             for i, wrap, piece in zip(message.members, wraps, pieces, strict=True):
                 results[i] = wrap(piece)
+        if error is not None:
+            raise error
         return results, rest
 
 

@@ -19,9 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import core
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
 
-from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
+from jaxcomm._jax_internals import (
+    COMM_EFFECT,
+    apply_primitive,
+    lower_with_token,
+    register_lowering,
+)
 from jaxcomm._primitive import CommInfo
 from jaxcomm._rules import define_rules, move_batch
 
@@ -42,7 +46,11 @@ def _abstract_eval(*avals, results, **_):
 
 
 def _lowering(ctx, *operands, target, comm: CommInfo, results, aliases, attrs, vmap_method):
-    rule = lower_with_token(target, aliases=dict(aliases) or None)
+    # A user's handler takes no attribute `last`, and a failure of it is not seen
+    # by jaxcomm (docs/troubleshooting.md, "After an error").
+    rule = lower_with_token(
+        target, aliases=dict(aliases) or None, marked=False, awaited=comm.size > 1
+    )
     ffi_attrs = {"comm": np.int64(comm.handle), "rank": np.int32(comm.rank)}
     ffi_attrs["size"] = np.int32(comm.size)
     ffi_attrs.update(attrs)
@@ -77,7 +85,7 @@ def kernel_primitive(target: str) -> Primitive:
         primitive.multiple_results = True
         primitive.def_impl(partial(apply_primitive, primitive))
         primitive.def_effectful_abstract_eval(_abstract_eval)
-        mlir.register_lowering(primitive, _lowering)
+        register_lowering(primitive, _lowering)
         define_rules(primitive, batch=_batch)
         _primitives[target] = primitive
     return _primitives[target]

@@ -48,7 +48,12 @@ from mpi4py import MPI
 
 from jaxcomm import _collectives, _p2p, _reductions, _replicated, _variable_size
 from jaxcomm._datatypes import ReduceOp
-from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
+from jaxcomm._jax_internals import (
+    COMM_EFFECT,
+    apply_primitive,
+    lower_with_token,
+    register_lowering,
+)
 from jaxcomm._native import PLATFORMS, cpu
 from jaxcomm._primitive import CommInfo, CommPrimitive, comm_primitive
 from jaxcomm._rules import (
@@ -216,7 +221,7 @@ wait_p.def_effectful_abstract_eval(
 def _wait_lowering(ctx, *operands, operation, comm, params):
     kind = OPERATIONS[operation].kind
     aliases = {1 + kind.input: 0} if kind.result else None  # pending, after request and keep
-    return lower_with_token("jaxcomm_wait", aliases=aliases)(ctx, *operands)
+    return lower_with_token("jaxcomm_wait", aliases=aliases, awaited=False)(ctx, *operands)
 
 
 # -- polling ---------------------------------------------------------------------------
@@ -224,7 +229,7 @@ def _wait_lowering(ctx, *operands, operation, comm, params):
 test_p = Primitive("jaxcomm_test")
 test_p.def_impl(lambda request: jnp.asarray(test_now(request)))
 test_p.def_effectful_abstract_eval(lambda request: (core.ShapedArray((), np.bool_), {COMM_EFFECT}))
-mlir.register_lowering(test_p, lower_with_token("jaxcomm_test"), platform="cpu")
+register_lowering(test_p, lower_with_token("jaxcomm_test", awaited=False), platform="cpu")
 
 
 def test_now(request) -> bool:
@@ -257,7 +262,7 @@ def _host_only(ctx, *args, **params):
     )
 
 
-mlir.register_lowering(wait_p, _wait_lowering, platform="cpu")
+register_lowering(wait_p, _wait_lowering, platform="cpu")
 for _platform in PLATFORMS:
     if _platform != "cpu":
         mlir.register_lowering(wait_p, _host_only, platform=_platform)

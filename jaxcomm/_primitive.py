@@ -24,7 +24,13 @@ from mpi4py import MPI
 
 from jaxcomm import _checks
 from jaxcomm._checks import Check
-from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token, taking_part
+from jaxcomm._jax_internals import (
+    COMM_EFFECT,
+    apply_primitive,
+    lower_with_token,
+    register_lowering,
+    taking_part,
+)
 from jaxcomm._native import PLATFORMS, cpu
 
 
@@ -197,7 +203,9 @@ def comm_primitive(
             ffi_attrs[key] = value if isinstance(value, str) else np.int32(value)
         is_x = result_is_x is not None and result_is_x(comm=comm, **params)
         alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases and not is_x else None
-        rule = lower_with_token(f"jaxcomm_{name}", aliases=alias, templates=templates)
+        rule = lower_with_token(
+            f"jaxcomm_{name}", aliases=alias, templates=templates, awaited=comm.size > 1
+        )
         if not is_x:
             return rule(ctx, *operands, **ffi_attrs)
         # The host function sees an empty result and leaves it be (cpp/memory.h).
@@ -208,5 +216,5 @@ def comm_primitive(
         return [operands[0], *results[1:]]
 
     for platform in PLATFORMS:  # the same FFI target name on every platform
-        mlir.register_lowering(primitive, lowering, platform=platform)
+        register_lowering(primitive, lowering, platform=platform)
     return primitive

@@ -204,14 +204,17 @@ class JaxComm:
         """A new communicator of the same type and group (collective)."""
         return type(self)(self)
 
-    def split(self: Self, color: int, key: int = 0) -> Self | None:
-        """Like MPI_Comm_split; None on ranks that pass color=MPI.UNDEFINED."""
+    def split(self, color: int, key: int = 0) -> JaxComm | None:
+        """Like MPI_Comm_split; None on ranks that pass color=MPI.UNDEFINED.
+
+        The parts have no topology: split on a grid or graph gives communicators
+        of the class without its methods (a subclass of JaxComm keeps its own)."""
         jax.effects_barrier()  # see __init__
         part = self._mpi.Split(color, key)
         if part == MPI.COMM_NULL:
             return None
         try:
-            return type(self)(part, check=self.check)
+            return getattr(type(self), "_plain", type(self))(part, check=self.check)
         finally:
             part.Free()
 

@@ -49,63 +49,6 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def overflowing_step(comm):
-    """A jitted step whose alltoallv overflows rank 0's capacity, with enough other
-    work that XLA runs it asynchronously, as a GPU always does: its error comes
-    after the call returns."""
-    counts = [1] * comm.size
-    capacity = comm.size - 1 if comm.rank == 0 else comm.size
-
-    @jax.jit
-    def step(x, m):
-        y, _ = comm.alltoallv(x, counts, capacity=capacity)
-        return y, (m @ m @ m).sum()
-
-    return step
-
-
-NEXT_CALLS = {
-    "eager": lambda comm: comm.allreduce,
-    "jax.jit": lambda comm: jax.jit(comm.allreduce),
-    "jaxcomm.jit": lambda comm: jaxcomm.jit(comm.allreduce),
-}
-
-
-@pytest.mark.parametrize("next_call", list(NEXT_CALLS))
-def test_recover_after_an_error_in_an_asynchronous_computation(comm, next_call):
-    """Rank 0 catches the overflow, recovers, and every rank's next calls match."""
-    step = overflowing_step(comm)
-    x = jnp.ones((comm.size, 2))
-    if comm.rank == 0:
-        with pytest.raises(Exception, match="more than capacity="):
-            jax.block_until_ready(step(x, jnp.ones((256, 256))))
-    else:
-        jax.block_until_ready(step(x, jnp.ones((256, 256))))
-    jaxcomm.recover()  # a no-op where nothing failed
-    allreduce = NEXT_CALLS[next_call](comm)
-    for k in range(1, 3):  # the same shape twice: a rank a call behind would go unseen
-        got = allreduce(jnp.full(2, k * (comm.rank + 1), FLOAT))
-        assert_values(got, np.full(2, k * comm.size * (comm.size + 1) // 2, FLOAT))
-
-
-def test_without_recover_the_error_comes_back(comm):
-    """Why recover() exists: JAX raises the failed computation's error again at
-    the next call with the effect, which then does not run."""
-    step = overflowing_step(comm)
-    x = jnp.ones((comm.size, 2))
-    if comm.rank == 0:
-        with pytest.raises(Exception, match="more than capacity="):
-            jax.block_until_ready(step(x, jnp.ones((256, 256))))
-        # A computation without the effect is not refused; one with it is.
-        assert_values(jax.jit(lambda v: v + 1)(x), np.full((comm.size, 2), 2, FLOAT))
-        with pytest.raises(Exception, match="more than capacity="):
-            comm.allreduce(x)
-        jaxcomm.recover()
-    else:
-        jax.block_until_ready(step(x, jnp.ones((256, 256))))
-    assert_values(comm.allreduce(jnp.ones(2)), np.full(2, comm.size, FLOAT))
-
-
 def test_ten_thousand_small_ops_do_not_grow_memory(comm):
     # What a call keeps is per process and the same whatever the number of ranks:
     # two ranks exchange real messages, more would only lengthen the run.
