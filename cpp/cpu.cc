@@ -85,6 +85,7 @@ NB_MODULE(_jaxcomm_cpu, m) {
     JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_REGISTER, _, JAXCOMM_ATTRIBUTE_NAME)
     JAXCOMM_REGISTER(wait, _)
     JAXCOMM_REGISTER(test, _)
+    targets["jaxcomm_in_step"] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_in_step));
 #undef JAXCOMM_REGISTER
     return targets;
   });

@@ -349,6 +349,7 @@ NB_MODULE(_jaxcomm_cuda, m) {
   targets["jaxcomm_" #name] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_##name##_cuda));
     JAXCOMM_OPERATIONS(JAXCOMM_REGISTER, _, JAXCOMM_ATTRIBUTE_NAME)
 #undef JAXCOMM_REGISTER
+    targets["jaxcomm_in_step"] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_in_step));
     return targets;
   });
   // This module has its own copy of call.cc's state: jaxcomm._native configures

@@ -121,6 +121,16 @@ void resume() {
   s.diverged.store(false, std::memory_order_release);
 }
 
+namespace {
+ffi::Error InStep(ffi::Token, ffi::Result<ffi::Token>, std::string_view kernel) {
+  return in_step(kernel);
+}
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxcomm_in_step, InStep,
+    ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>().Attr<std::string_view>("kernel"));
+
 bool on_python_thread() { return PyGILState_GetThisThreadState() != nullptr; }
 
 void* state() { return shared; }

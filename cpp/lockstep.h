@@ -69,6 +69,10 @@ void resume();
 // its own threads); so does an eager call.
 bool on_python_thread();
 
+// The handler that runs before a user's kernel (jaxcomm._kernels), token ->
+// token: refuses it while this rank is out of step.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxcomm_in_step);
+
 // The state shared by every jaxcomm module of the process (the CPU and CUDA
 // extensions each link their own copy of this code): `share(state())` of one
 // makes the other use its state.

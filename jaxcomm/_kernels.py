@@ -45,16 +45,26 @@ def _abstract_eval(*avals, results, **_):
     return [core.ShapedArray(shape, dtype) for shape, dtype in results], {COMM_EFFECT}
 
 
+# Runs before each kernel: the kernel does not run while this rank is out of step
+# (jaxcomm._lockstep), when it could pair with the wrong call of a peer.
+_in_step = lower_with_token("jaxcomm_in_step", marked=False, awaited=False)
+
+
 def _lowering(ctx, *operands, target, comm: CommInfo, results, aliases, attrs, vmap_method):
+    guard = ctx.replace(avals_in=[], avals_out=[])
+    _in_step(guard, kernel=target)
     # A user's handler takes no attribute `last`, and a failure of it is not seen
-    # by jaxcomm (docs/troubleshooting.md, "After an error").
+    # by jaxcomm (docs/troubleshooting.md, "After an error on one rank").
     rule = lower_with_token(
         target, aliases=dict(aliases) or None, marked=False, awaited=comm.size > 1
     )
     ffi_attrs = {"comm": np.int64(comm.handle), "rank": np.int32(comm.rank)}
     ffi_attrs["size"] = np.int32(comm.size)
     ffi_attrs.update(attrs)
-    return rule(ctx, *operands, **ffi_attrs)
+    kernel = ctx.replace(tokens_in=guard.tokens_out)
+    outputs = rule(kernel, *operands, **ffi_attrs)
+    ctx.set_tokens_out(kernel.tokens_out)
+    return outputs
 
 
 def _batch(args, dims, *, results, vmap_method, **params):
