@@ -33,14 +33,15 @@ struct Compiled;
 
 template <typename... Args, ffi::Error (*Function)(Args...)>
 struct Compiled<Function> {
-  static ffi::Error Run(Args... args, bool last) {
+  static ffi::Error Run(ffi::RunId run, Args... args, bool last) {
     constexpr std::string_view operation = kOperationName<Function>;
     if (ffi::Error refused = in_step(operation); refused.failure()) return refused;
     Entered entered(operation);
+    mpi::Executing executing(run.run_id);
     ffi::Error error = Function(std::move(args)...);
     if (error.failure()) {
-      mpi::abandon_compiled();
       failed(operation, error, last, on_python_thread());
+      mpi::abandon_compiled(run.run_id);
     }
     return error;
   }
@@ -51,10 +52,13 @@ struct Compiled<Function> {
 #define JAXCOMM_DEFINE_CPU_HANDLER(name, function, binding, attributes)        \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name, Compiled<&mpi::function>::Run, \
                                 binding attributes.Attr<bool>("last"));
-JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind(), JAXCOMM_BIND_ATTRIBUTE)
-JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind(), JAXCOMM_BIND_ATTRIBUTE)
-JAXCOMM_DEFINE_CPU_HANDLER(wait, Wait, waiting(ffi::Ffi::Bind()), )
-JAXCOMM_DEFINE_CPU_HANDLER(test, Test, testing(ffi::Ffi::Bind()), )
+// The execution's RunId first: whose requests a failure abandons.
+#define JAXCOMM_CPU_BASE ffi::Ffi::Bind().Ctx<ffi::RunId>()
+JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, JAXCOMM_CPU_BASE, JAXCOMM_BIND_ATTRIBUTE)
+JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, JAXCOMM_CPU_BASE, JAXCOMM_BIND_ATTRIBUTE)
+JAXCOMM_DEFINE_CPU_HANDLER(wait, Wait, waiting(JAXCOMM_CPU_BASE), )
+JAXCOMM_DEFINE_CPU_HANDLER(test, Test, testing(JAXCOMM_CPU_BASE), )
+#undef JAXCOMM_CPU_BASE
 #undef JAXCOMM_DEFINE_CPU_HANDLER
 }  // namespace jaxcomm
 

@@ -63,8 +63,10 @@ __all__ = [  # and every module-level operation, added below
 # Before mpi4py's own exit hook (registered earlier, so run later) finalises MPI
 # (atexit runs the last registered first): end the job if this rank is out of
 # step, whose peers may wait for it forever (jaxcomm._lockstep); else finish
-# pending jaxcomm operations (otherwise a rank can hang at exit), then drop the
-# requests that were never waited.
+# pending jaxcomm operations (otherwise a rank can hang at exit), drop the
+# requests that were never waited, and end the job if one of those computations
+# has put the rank out of step.
+atexit.register(_lockstep.abort_if_out_of_step)
 atexit.register(_requests.drop_at_exit)
 atexit.register(jax.effects_barrier)
 atexit.register(_lockstep.abort_if_out_of_step)

@@ -293,30 +293,38 @@ def test_a_call_on_two_devices_leaves_the_chain_where_the_next_call_runs(tmp_pat
         assert lines == ["[2.0, 2.0, 2.0, 2.0]", "[2.0, 2.0]", "[2.0, 2.0]"], output
 
 
-def test_a_rank_out_of_step_ends_the_job_at_exit(tmp_path):
-    """Rank 0's step fails after its call has returned and the next call on it
-    raises; the program ends normally there, while rank 1 waits in that call.
-    Rank 0 ends the job at exit instead of leaving rank 1 waiting forever."""
+@pytest.mark.parametrize("read", [True, False], ids=["read", "pending at exit"])
+def test_a_rank_out_of_step_ends_the_job_at_exit(tmp_path, read):
+    """Rank 0's step fails after its call has returned (its allreduce does not
+    run there) and the program ends, with the error read, or the step still
+    running, while rank 1 waits in that allreduce. Rank 0 ends the job at exit
+    instead of leaving rank 1 waiting forever."""
     script = program(
         tmp_path,
-        """
+        f"""
         import jax, jax.numpy as jnp
         from jaxcomm import JaxComm
         comm = JaxComm()
         capacity = 1 if comm.rank == 0 else 2
-        step = jax.jit(lambda x, m: (comm.alltoallv(x, [1, 1], capacity=capacity)[0], m @ m @ m))
-        try:
-            jax.block_until_ready(step(jnp.ones((2, 2)), jnp.ones((256, 256))))
-            comm.allreduce(jnp.ones(2))
-        except jax.errors.JaxRuntimeError as error:
-            print("rank", comm.rank, "raised:", str(error).splitlines()[0][:60])
+
+        @jax.jit
+        def step(x, m):
+            y, _ = comm.alltoallv(x, [1, 1], capacity=capacity)
+            return comm.allreduce(y.sum()), m @ m @ m
+
+        out = step(jnp.ones((2, 2)), jnp.ones((256, 256)))
+        if {read}:
+            try:
+                jax.block_until_ready(out)
+            except jax.errors.JaxRuntimeError as error:
+                print("rank", comm.rank, "raised:", str(error).splitlines()[0][:60])
     """,
     )
     started = time.monotonic()
     result = run(2, [script], TIMEOUT)
     assert result.returncode != 0
     assert time.monotonic() - started < TIMEOUT / 2
-    assert "rank 0 raised:" in result.stdout, result.stdout + result.stderr
+    assert ("rank 0 raised:" in result.stdout) == read, result.stdout + result.stderr
     assert "rank 1 raised" not in result.stdout
     assert "jaxcomm: rank 0 ends the job at exit: it is out of step" in result.stderr
 

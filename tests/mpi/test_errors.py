@@ -12,6 +12,7 @@ import pytest
 from data import FLOAT, assert_values
 
 import jaxcomm
+from jaxcomm import _native
 
 
 def test_truncated_message_is_an_exception(comm):
@@ -72,7 +73,9 @@ def test_ten_thousand_small_ops_do_not_grow_memory(comm):
 @pytest.mark.parametrize("blocking", [True, False], ids=["recv", "irecv"])
 def test_ctrl_c_interrupts_an_eager_wait(comm, blocking):
     """A receive that nothing matches gives way to KeyboardInterrupt, and is
-    cancelled: the next message with its tag goes to the next receive."""
+    cancelled: the next message with its tag goes to the next receive. A message
+    sent for the cancelled receive would too, so the rank is out of step
+    (jaxcomm._lockstep) until the test, which sent none, says otherwise."""
     if not jaxcomm._eager.ENABLED:
         pytest.skip("JAXCOMM_EAGER=jit: eager calls run on XLA's threads, not interruptible")
     alarm = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
@@ -83,6 +86,8 @@ def test_ctrl_c_interrupts_an_eager_wait(comm, blocking):
         else:
             comm.wait(comm.irecv(jnp.zeros(3), source=comm.rank, tag=77))
     alarm.join()
+    assert "was cancelled before its message came" in _native.cpu.out_of_step()
+    _native.cpu.resume()
     receive = comm.irecv(jnp.zeros(3), source=comm.rank, tag=77)
     comm.send(jnp.full(3, 5.0), dest=comm.rank, tag=77)
     np.testing.assert_array_equal(comm.wait(receive), 5.0)

@@ -21,6 +21,8 @@ import contextlib
 import dataclasses
 import functools
 import os
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -214,4 +216,87 @@ def test_out_of_step_refuses_every_later_call(comm):
                 jax.block_until_ready(call())
     finally:
         forget_failures()
+    check_in_step(comm)
+
+
+def test_a_receive_left_by_a_failed_computation_puts_the_rank_out_of_step(comm):
+    """Rank 0's computation posts a receive, then fails before its wait: the
+    receive is cancelled, and a message sent for it later would go to a later
+    receive, so rank 0 is out of step. The cancel holds: a later receive takes
+    the message whole."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    capacity = comm.size - 1 if comm.rank == FAILING else comm.size
+
+    @jax.jit
+    def step(x):
+        if comm.rank == FAILING:
+            request = comm.irecv(jnp.zeros(2, jnp.float32), source=1, tag=5)
+        y, _ = comm.alltoallv(x, [1] * comm.size, capacity=capacity)
+        return comm.wait(request) if comm.rank == FAILING else y
+
+    if comm.rank == FAILING:
+        with pytest.raises(jax.errors.JaxRuntimeError, match="more than capacity="):
+            jax.block_until_ready(step(jnp.ones((comm.size, 2), jnp.float32)))
+        assert "irecv was cancelled before its message came" in _native.cpu.out_of_step()
+    else:
+        jax.block_until_ready(step(jnp.ones((comm.size, 2), jnp.float32)))
+    comm.mpi.Barrier()  # the message leaves after the receive was cancelled
+    if comm.rank == 1:
+        comm.mpi.Send(np.full(2, 7.0, np.float32), dest=FAILING, tag=5)
+    if comm.rank == FAILING:
+        forget_failures()
+        got = comm.recv(jnp.zeros(2, jnp.float32), source=1, tag=5)
+        np.testing.assert_array_equal(got, np.full(2, 7.0, np.float32))
+    check_in_step(comm)
+
+
+def test_a_failure_leaves_another_threads_requests_alone(comm):
+    """A computation that fails abandons the requests it posted, not those of a
+    computation that another thread runs meanwhile, which completes."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    p2p, collective = comm.dup(), comm.dup()
+    x = jnp.ones((comm.size, 2), jnp.float32)
+    capacity = comm.size - 1 if comm.rank == FAILING else comm.size
+    overflowing = jax.jit(lambda x: comm.alltoallv(x, [1] * comm.size, capacity=capacity)[0])
+
+    def worker(out):
+        if comm.rank == FAILING:
+
+            def receiving(v):  # the receive stays posted while the allreduce waits
+                request = p2p.irecv(jnp.zeros((), jnp.float32), source=1, tag=9)
+                total = collective.allreduce(v)
+                return p2p.wait(request) + 0 * total
+
+            out.append(jax.jit(receiving)(jnp.float32(1)))
+        elif comm.rank == 1:
+
+            def sending(v):
+                total = collective.allreduce(v)
+                p2p.send(jnp.float32(7.0), dest=FAILING, tag=9)
+                return total
+
+            out.append(jax.jit(sending)(jnp.float32(1)))
+        else:
+            out.append(jax.jit(collective.allreduce)(jnp.float32(1)))
+
+    results: list = []
+    thread = threading.Thread(target=worker, args=(results,))
+    if comm.rank == FAILING:
+        started = _native.cpu.call_count()
+        thread.start()
+        while _native.cpu.call_count() < started + 2:  # the receive posted, the allreduce entered
+            time.sleep(0.001)
+        with pytest.raises(jax.errors.JaxRuntimeError, match="more than capacity="):
+            jax.block_until_ready(overflowing(x))
+    else:
+        jax.block_until_ready(overflowing(x))
+        thread.start()
+    thread.join()
+    if comm.rank == FAILING:
+        np.testing.assert_array_equal(results[0], np.float32(7.0))
+    assert _native.cpu.out_of_step() is None
+    p2p.free()
+    collective.free()
     check_in_step(comm)
