@@ -16,6 +16,7 @@ scan             (count,)         (count,)         output
 i<op>            as <op>          as <op>          as <op>
 alltoallv        (p * count,)     (p * count,)     the input, element 0 replaced by the output's
 alltoallv_skew   (10 p count,)    ((p + 9) count,) as alltoallv; on rank 0, 10x the others'
+allgatherv       (count,)         (p count,)       as alltoallv
 neighbor         (2, count)       (2, count)       output
 halo             (2, count)       (2, count)       output
 graph_alltoallv  (k count,)       (k count,)       output (k: this rank's neighbours)
@@ -27,6 +28,8 @@ alltoallv sends `count` elements (rows of one float32) to every rank, and
 alltoallv_skew the same but 10 * count from rank 0 (its input is 10x longer);
 both count the rows received with an alltoall of the counts on every call, as
 a program whose counts change would (C: MPI_Alltoall, then MPI_Alltoallv).
+allgatherv gathers every rank's `count` rows on every rank, learning the counts
+the same way (C: MPI_Allgather, then MPI_Allgatherv).
 
 neighbor and halo exchange blocks with the two neighbours on a periodic ring
 (a 1-d Cartesian grid): block 0 goes down and block 1 up, and the result's
@@ -76,7 +79,7 @@ from mpi4py import MPI
 
 BLOCKING = ("allreduce", "bcast", "sendrecv", "alltoall", "allgather", "reduce_scatter", "scan")
 NONBLOCKING = ("iallreduce", "ibcast", "isendrecv", "ialltoall", "iallgather", "ireduce_scatter")
-VARIABLE = ("alltoallv", "alltoallv_skew")
+VARIABLE = ("alltoallv", "alltoallv_skew", "allgatherv")
 RING = ("neighbor", "halo")
 GRAPH = ("graph_alltoallv", "graph_dense", "graph_sendrecv")
 OPS = BLOCKING + NONBLOCKING + VARIABLE + RING + GRAPH
@@ -128,6 +131,8 @@ def send_counts(op: str, count: int, rank: int, size: int) -> np.ndarray:
 
 
 def input_shape(op: str, count: int, size: int, rank: int = 0) -> tuple[int, ...]:
+    if op == "allgatherv":
+        return (count,)
     if op in VARIABLE:
         return (int(send_counts(op, count, rank, size).sum()),)
     if op in RING:
@@ -168,6 +173,8 @@ def expected(op: str, count: int, rank: int, size: int) -> np.ndarray:
         return np.concatenate(
             [[]] + [inputs[s].reshape(-1, count)[graph[s].index(rank)] for s in graph[rank]]
         ).astype(np.float32)
+    if op == "allgatherv":
+        return np.concatenate(inputs)
     if op in VARIABLE:
         counts = [send_counts(op, count, r, size) for r in range(size)]
         return np.concatenate(
@@ -311,6 +318,7 @@ class Mpi4py(Backend):
             "halo": self._halo,
             "alltoallv": partial(self._alltoallv, send_counts(op, count, comm.rank, size)),
             "alltoallv_skew": partial(self._alltoallv, send_counts(op, count, comm.rank, size)),
+            "allgatherv": self._allgatherv,
             "graph_alltoallv": partial(self._graph_alltoallv, count),
             "graph_dense": partial(self._graph_dense, dense_counts(count, comm.rank, size)),
             "graph_sendrecv": partial(self._graph_sendrecv, count),
@@ -372,6 +380,12 @@ class Mpi4py(Backend):
         for k, peer in enumerate(sparse_graph(self.comm.size)[self.comm.rank]):
             block = slice(k * count, (k + 1) * count)
             self.comm.Sendrecv(a[block], peer, 0, b[block], peer, 0)
+
+    def _allgatherv(self, a, b):
+        counts = np.empty(self.comm.size, np.int32)
+        self.comm.Allgather(np.array([len(a)], np.int32), counts)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        self.comm.Allgatherv(a, [b, counts, starts, MPI.FLOAT])
 
     def _alltoallv(self, counts, a, b):
         received = np.empty_like(counts)
@@ -513,6 +527,8 @@ class JaxcommBackend(Backend):
                 return jnp.stack([up, down])
 
             return halo
+        if op == "allgatherv":
+            return lambda x: comm.allgatherv(x, capacity=comm.size * self._count)[0]
         if op in VARIABLE:
             counts = send_counts(op, self._count, comm.rank, comm.size)
             rows = capacity(op, self._count, comm.size)

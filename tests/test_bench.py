@@ -27,7 +27,7 @@ def test_latency_suite_checks_and_records_every_backend(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "latency.jsonl").read_text().splitlines()]
     blocking = {"allreduce", "bcast", "sendrecv", "alltoall", "allgather", "reduce_scatter", "scan"}
     ops = blocking | {"i" + op for op in blocking - {"scan"}}
-    ops |= {"alltoallv", "alltoallv_skew", "neighbor", "halo"}
+    ops |= {"alltoallv", "alltoallv_skew", "allgatherv", "neighbor", "halo"}
     ops |= {"graph_alltoallv", "graph_dense", "graph_sendrecv"}
     backends = {
         "C",
