@@ -4,6 +4,11 @@ mpi4py, mpi4jax (when installed) and jaxcomm itself, side by side in one job.
     mpiexec -n 2 python bench/run.py            # full suite: table, JSON lines, PNG
     mpiexec -n 2 python bench/run.py --quick    # small sizes, few repetitions
 
+Backends that run only when --backends names them: jaxcomm-jit-check,
+jaxcomm-jax.jit and jaxcomm-jaxcomm.jit (one jitted step per Python call), and
+gloo-jit and gloo-jax.jit, JAX's own collectives through shard_map (the ranks
+become one jax.distributed job first; end a stuck run with timeout -s KILL).
+
 Each (op, size) is checked against NumPy on every backend before it is timed; a
 wrong result stops the run. For each repetition the backends run in turn
 (interleaved), each timing a loop long enough to last --min-time; the time per
