@@ -184,20 +184,32 @@ std::string describe_array(ffi::DataType dtype, ffi::Span<const int64_t> dims) {
 }
 
 namespace {
-thread_local std::string_view entered_operation = "jaxcomm";
+// The operation this thread runs, and its notes: one thread_local, since finding
+// one costs a call on every operation.
+struct Running {
+  std::string_view operation = "jaxcomm";
+  Notes notes;
+};
+thread_local Running running;
 }  // namespace
 
-Entered::Entered(std::string_view operation) : outer_(entered_operation) {
-  entered_operation = operation;
+Entered::Entered(std::string_view operation) {
+  Running& r = running;
+  outer_ = r.operation;
+  r.operation = operation;
+  r.notes = Notes{};
 }
-Entered::~Entered() { entered_operation = outer_; }
-std::string_view current_operation() { return entered_operation; }
+Entered::~Entered() { running.operation = outer_; }
+std::string_view current_operation() { return running.operation; }
+Notes& notes() { return running.notes; }
 
-Call::Call(int64_t comm_key, bool check) : check_(check), operation_(current_operation()) {
+Call::Call(int64_t comm_key, bool check) : check_(check) {
+  Running& r = running;
+  operation_ = r.operation;
   Registered found = registered(comm_key);
   comm_ = found.comm;
   neighborhood_ = std::move(found.neighborhood);
-  running_on(found.size);
+  r.notes.ranks = found.size;
   calls.fetch_add(1, std::memory_order_relaxed);
   const Settings& s = settings();
   recording_ = check_ || s.debug || s.timeout > 0;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "jaxcomm/jaxcomm.h"
+#include "lockstep.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm {
@@ -64,6 +65,8 @@ class Entered {
   std::string_view outer_;
 };
 std::string_view current_operation();
+// This thread's notes of the operation it runs (lockstep.h), cleared on entry.
+Notes& notes();
 
 // One operation, from its handler's entry to its return.
 class Call {

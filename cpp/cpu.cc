@@ -9,6 +9,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,9 +36,10 @@ template <typename... Args, ffi::Error (*Function)(Args...)>
 struct Compiled<Function> {
   static ffi::Error Run(ffi::RunId run, Args... args, bool last) {
     constexpr std::string_view operation = kOperationName<Function>;
-    if (ffi::Error refused = in_step(operation); refused.failure()) return refused;
+    if (!in_step()) return refusal(operation);
     Entered entered(operation);
-    mpi::Executing executing(run.run_id);
+    std::optional<mpi::Executing> executing;  // a start's requests are the execution's
+    if constexpr (kStarts<Function>) executing.emplace(run.run_id);
     ffi::Error error = Function(std::move(args)...);
     if (error.failure()) {
       failed(operation, error, last, on_python_thread());
@@ -134,9 +136,8 @@ NB_MODULE(_jaxcomm_cpu, m) {
   m.def(
       "refusal",
       [](std::string_view operation) -> std::optional<std::string> {
-        xla::ffi::Error refused = jaxcomm::in_step(operation);
-        if (refused.success()) return std::nullopt;
-        return "FAILED_PRECONDITION: " + refused.message();
+        if (jaxcomm::in_step()) return std::nullopt;
+        return "FAILED_PRECONDITION: " + jaxcomm::refusal(operation).message();
       },
       nb::arg("operation"), "The error that refuses `operation` while out of step, else None.");
   m.def("out_of_step", &jaxcomm::out_of_step,

@@ -305,7 +305,7 @@ struct Staged<Function> {
   // (lockstep.h; `last` as for the CPU handlers, cpu.cc).
   static ffi::Error Run(cudaStream_t stream, Args... args, bool last) {
     constexpr std::string_view operation = kOperationName<Function>;
-    if (ffi::Error refused = in_step(operation); refused.failure()) return refused;
+    if (!in_step()) return refusal(operation);
     Entered entered(operation);
     ffi::Error error = Stage(stream, args...);
     if (error.failure()) failed(operation, error, last, on_python_thread());

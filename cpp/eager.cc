@@ -205,7 +205,7 @@ class EagerCall {
     if (inputs.size() != templates_ + input_codes_.size()) {
       throw nb::type_error("jaxcomm eager call: wrong number of arrays");
     }
-    if (ffi::Error refused = in_step(operation_); refused.failure()) raise(refused);
+    if (!in_step()) raise(refusal(operation_));
     try {
       before_();
     } catch (nb::python_error& error) {
@@ -265,7 +265,7 @@ std::tuple<std::string, std::string, int, int> complete(nb::handle request, nb::
   const void* key = address_of(request);
   void* result = address_of(out, /*writable=*/true);
   constexpr std::string_view operation = kOperationName<&mpi::Wait>;
-  ffi::Error error = in_step(operation);
+  ffi::Error error = in_step() ? ffi::Error::Success() : refusal(operation);
   if (error.success()) {
     nb::gil_scoped_release unlocked;
     mpi::CheckInterrupts interrupts(&python_interrupted);
@@ -286,7 +286,7 @@ std::tuple<std::string, std::string, bool> test(nb::handle request) {
   bool done = false;
   const void* key = address_of(request);
   constexpr std::string_view operation = kOperationName<&mpi::Test>;
-  ffi::Error error = in_step(operation);
+  ffi::Error error = in_step() ? ffi::Error::Success() : refusal(operation);
   if (error.success()) {
     nb::gil_scoped_release unlocked;
     Entered entered(operation);

@@ -4,8 +4,12 @@
 #include <mpi.h>
 
 #include <atomic>
+#include <functional>
 #include <mutex>
+#include <string>
 #include <utility>
+
+#include "call.h"
 
 namespace jaxcomm {
 namespace {
@@ -19,23 +23,18 @@ struct State {
 State own_state;
 State* shared = &own_state;
 
-// How an operation's error leaves its peers (the header's list).
-enum class Ending { kUnpaired, kPaired, kEveryRank };
-
-// The last error this thread marked, and how: the wrapper of the operation
-// compares it with the error the operation returns, so that an error marked and
-// then replaced by another is not taken for the marked one.
-struct Marked {
-  std::string message;
-  Ending ending = Ending::kUnpaired;
-};
-thread_local std::optional<Marked> marked;
-thread_local int ranks = 0;  // of the operation's communicator; 0: unknown
+uint64_t fingerprint(const ffi::Error& error) {
+  return std::hash<std::string>{}(error.message()) | 1;  // never 0: nothing marked
+}
 
 // Marks `error` as ending so, or as marked already if that says more.
 ffi::Error mark(ffi::Error error, Ending ending) {
-  if (error.failure() && !(marked && marked->message == error.message() && marked->ending > ending))
-    marked = Marked{error.message(), ending};
+  if (error.failure()) {
+    Notes& n = notes();
+    const uint64_t marked = fingerprint(error);
+    if (n.marked != marked || n.ending < ending) n.ending = ending;
+    n.marked = marked;
+  }
   return error;
 }
 
@@ -62,14 +61,12 @@ ffi::Error paired(ffi::Error error) { return mark(std::move(error), Ending::kPai
 
 ffi::Error on_every_rank(ffi::Error error) { return mark(std::move(error), Ending::kEveryRank); }
 
-void running_on(int size) { ranks = size; }
-
 void failed(std::string_view operation, const ffi::Error& error, bool last, bool synchronous) {
-  Ending ending = marked && marked->message == error.message() ? marked->ending : Ending::kUnpaired;
-  if (ranks == 1 && ending == Ending::kUnpaired) ending = Ending::kPaired;
-  if (ending == Ending::kEveryRank && ranks == world_size()) last = true;  // all skip the rest
-  marked.reset();
-  ranks = 0;
+  Notes& n = notes();
+  Ending ending = n.marked == fingerprint(error) ? n.ending : Ending::kUnpaired;
+  if (n.ranks == 1 && ending == Ending::kUnpaired) ending = Ending::kPaired;
+  if (ending == Ending::kEveryRank && n.ranks == world_size()) last = true;  // all skip the rest
+  n = Notes{};
   const char* why = nullptr;
   if (ending == Ending::kUnpaired) {
     why = "before it had made all of its exchanges";
@@ -93,11 +90,10 @@ void diverge(std::string why) {
   s.diverged.store(true, std::memory_order_release);
 }
 
-ffi::Error in_step(std::string_view operation) {
-  marked.reset();
-  ranks = 0;
+bool in_step() { return !shared->diverged.load(std::memory_order_acquire); }
+
+ffi::Error refusal(std::string_view operation) {
   State& s = *shared;
-  if (!s.diverged.load(std::memory_order_acquire)) return ffi::Error::Success();
   std::lock_guard lock(s.mutex);
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                     "jaxcomm: " + std::string(operation) + " refused: rank " +
@@ -123,7 +119,7 @@ void resume() {
 
 namespace {
 ffi::Error InStep(ffi::Token, ffi::Result<ffi::Token>, std::string_view kernel) {
-  return in_step(kernel);
+  return in_step() ? ffi::Error::Success() : refusal(kernel);
 }
 }  // namespace
 

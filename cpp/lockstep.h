@@ -17,6 +17,7 @@
 #ifndef JAXCOMM_LOCKSTEP_H_
 #define JAXCOMM_LOCKSTEP_H_
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -38,10 +39,21 @@ ffi::Error paired(ffi::Error error);
 // a communicator of every rank of the job, every rank skips what this one does.
 ffi::Error on_every_rank(ffi::Error error);
 
-// Call (call.h) says how many ranks the communicator of the operation this
-// thread runs has: with none but this one, no peer waits for it whatever its
-// error.
-void running_on(int ranks);
+// How an operation's error leaves its peers (above).
+enum class Ending { kUnpaired, kPaired, kEveryRank };
+
+// What this thread notes of the operation it runs, for `failed`: the last error
+// marked (a hash of its message: the wrapper compares it with the error the
+// operation returns, so that an error marked and then replaced by another is not
+// taken for the marked one), and how; and how many ranks its communicator has
+// (0: unknown; with none but this one, no peer waits for it whatever its error).
+// Kept by call.h with the operation's name, which clears them on entry. Plain
+// values: a thread_local with a constructor costs more to reach, on every call.
+struct Notes {
+  uint64_t marked = 0;
+  Ending ending = Ending::kUnpaired;
+  int ranks = 0;
+};
 
 // What the wrapper that entered `operation` (a handler, an eager call) does with
 // its `error`: this rank goes out of step but as above, `last` saying that no
@@ -53,10 +65,10 @@ void failed(std::string_view operation, const ffi::Error& error, bool last, bool
 // first reason is kept.
 void diverge(std::string why);
 
-// Success while this rank is in step; else the error that refuses `operation`.
-// Every wrapper asks first, before the operation starts: this thread's notes
-// for `failed` start afresh.
-ffi::Error in_step(std::string_view operation);
+// Whether this rank is in step. Every wrapper asks first, before the operation
+// starts, and if not returns the error that refuses `operation`.
+bool in_step();
+ffi::Error refusal(std::string_view operation);
 
 // Why this rank is out of step, if it is.
 std::optional<std::string> out_of_step();

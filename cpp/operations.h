@@ -51,6 +51,15 @@ JAXCOMM_OPERATION_NAME(wait, Wait)
 JAXCOMM_OPERATION_NAME(test, Test)
 #undef JAXCOMM_OPERATION_NAME
 
+// Whether a host function is a start (the non-blocking table): it posts requests.
+template <auto Function>
+inline constexpr bool kStarts = false;
+#define JAXCOMM_STARTS(name, function, ...) \
+  template <>                               \
+  inline constexpr bool kStarts<&mpi::function> = true;
+JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_STARTS, _, JAXCOMM_ATTRIBUTE_NAME)
+#undef JAXCOMM_STARTS
+
 }  // namespace jaxcomm
 
 #endif  // JAXCOMM_OPERATIONS_H_
