@@ -21,6 +21,7 @@ from jax import core
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from jaxcomm import _sharded
 from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
 from jaxcomm._primitive import CommInfo
 from jaxcomm._rules import define_rules, move_batch
@@ -37,8 +38,10 @@ def register_kernel(target: str, handler: Any, platform: str = "cpu") -> None:
     jax.ffi.register_ffi_target(target, handler, platform=platform)
 
 
-def _abstract_eval(*avals, results, **_):
-    return [core.ShapedArray(shape, dtype) for shape, dtype in results], {COMM_EFFECT}
+def _abstract_eval(*avals, results, comm, target, **_):
+    shaped = [core.ShapedArray(shape, dtype) for shape, dtype in results]
+    # Inside shard_map, varying along every axis comm spans (jaxcomm._sharded).
+    return _sharded.type_results(shaped, avals, comm, target, "varying"), {COMM_EFFECT}
 
 
 def _lowering(ctx, *operands, target, comm: CommInfo, results, aliases, attrs, vmap_method):

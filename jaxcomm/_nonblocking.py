@@ -46,9 +46,16 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 from mpi4py import MPI
 
-from jaxcomm import _collectives, _p2p, _reductions, _replicated, _variable_size
+from jaxcomm import _collectives, _p2p, _reductions, _replicated, _sharded, _variable_size
 from jaxcomm._datatypes import ReduceOp
-from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
+from jaxcomm._jax_internals import (
+    COMM_EFFECT,
+    apply_primitive,
+    lower_with_token,
+    manual_axes,
+    typed,
+    varying,
+)
 from jaxcomm._native import PLATFORMS, cpu
 from jaxcomm._primitive import CommInfo, CommPrimitive, comm_primitive
 from jaxcomm._rules import (
@@ -125,6 +132,7 @@ def _declare(blocking: CommPrimitive, kind: StartBuffers, batch_in=0, batch_out=
         params=blocking.params,
         elementwise=blocking.elementwise,
         leading_axis=blocking.leading_axis,
+        vma=blocking.vma,
     )
     # A start evaluated at once (a rule rebinding it outside any trace) is compiled
     # alone, before its wait is bound: its Request's owner is eager code.
@@ -188,12 +196,15 @@ def _rows(operation: str, x, counts) -> int:
     return _variable_size.rows_of(x, counts[0], _exchange(operation).unbatched[0])
 
 
-def _wait_shapes(*operands, operation, **_):
+def _wait_shapes(*operands, operation, comm, **_):
     kind = OPERATIONS[operation].kind
     if not kind.result:
         return []
-    _, _, pending, _ = _split_wait_operands(kind, operands)
-    return [pending, _p2p.STATUS] if kind.status else [pending]
+    request, _, pending, _ = _split_wait_operands(kind, operands)
+    if not kind.status:
+        return [pending]
+    # Inside shard_map the status varies as the request does (jaxcomm._sharded).
+    return [pending, *_sharded.type_results([_p2p.STATUS], [request], comm, operation, "same")]
 
 
 wait_p = Primitive("jaxcomm_wait")
@@ -223,7 +234,10 @@ def _wait_lowering(ctx, *operands, operation, comm, params):
 
 test_p = Primitive("jaxcomm_test")
 test_p.def_impl(lambda request: jnp.asarray(test_now(request)))
-test_p.def_effectful_abstract_eval(lambda request: (core.ShapedArray((), np.bool_), {COMM_EFFECT}))
+_DONE = core.ShapedArray((), np.bool_)
+test_p.def_effectful_abstract_eval(
+    lambda request: ([typed(_DONE, varying(request)) if manual_axes() else _DONE], {COMM_EFFECT})
+)
 mlir.register_lowering(test_p, lower_with_token("jaxcomm_test"), platform="cpu")
 
 
