@@ -110,6 +110,10 @@ class Nonblocking(NamedTuple):
     # (a rank axis stays leading, so each rank's rows are contiguous).
     batch_in: int
     batch_out: int
+    # How the wait's result is typed inside shard_map: the blocking op's
+    # (jaxcomm._sharded). The start's buffers vary as x does: AD rules pass x's
+    # cotangent through them.
+    vma: str = "varying"
 
 
 def _declare(blocking: CommPrimitive, kind: StartBuffers, batch_in=0, batch_out=0) -> Nonblocking:
@@ -132,14 +136,13 @@ def _declare(blocking: CommPrimitive, kind: StartBuffers, batch_in=0, batch_out=
         params=blocking.params,
         elementwise=blocking.elementwise,
         leading_axis=blocking.leading_axis,
-        vma=blocking.vma,
     )
     # A start evaluated at once (a rule rebinding it outside any trace) is compiled
     # alone, before its wait is bound: its Request's owner is eager code.
     start.def_impl(
         lambda *operands, posted, **params: apply_primitive(start, *operands, posted=0, **params)
     )
-    return Nonblocking(start, kind, batch_in, batch_out)
+    return Nonblocking(start, kind, batch_in, batch_out, blocking.vma)
 
 
 # Starts bound while tracing carry a `posted` number (0 otherwise, and in the
@@ -201,10 +204,13 @@ def _wait_shapes(*operands, operation, comm, **_):
     if not kind.result:
         return []
     request, _, pending, _ = _split_wait_operands(kind, operands)
+    # Inside shard_map: the result typed as the blocking operation's, from the
+    # pending buffer's type; the status as the request (jaxcomm._sharded).
+    vma = OPERATIONS[operation].vma
+    (result,) = _sharded.type_results([pending], [pending], comm, operation, vma)
     if not kind.status:
-        return [pending]
-    # Inside shard_map the status varies as the request does (jaxcomm._sharded).
-    return [pending, *_sharded.type_results([_p2p.STATUS], [request], comm, operation, "same")]
+        return [result]
+    return [result, *_sharded.type_results([_p2p.STATUS], [request], comm, operation, "same")]
 
 
 wait_p = Primitive("jaxcomm_wait")
@@ -236,7 +242,7 @@ test_p = Primitive("jaxcomm_test")
 test_p.def_impl(lambda request: jnp.asarray(test_now(request)))
 _DONE = core.ShapedArray((), np.bool_)
 test_p.def_effectful_abstract_eval(
-    lambda request: ([typed(_DONE, varying(request)) if manual_axes() else _DONE], {COMM_EFFECT})
+    lambda request: (typed(_DONE, varying(request)) if manual_axes() else _DONE, {COMM_EFFECT})
 )
 mlir.register_lowering(test_p, lower_with_token("jaxcomm_test"), platform="cpu")
 

@@ -20,6 +20,12 @@ Every operand is first made varying along the axes the communicator spans,
 with JAX's own ``pcast(..., to="varying")``, as JAX's collectives do: an
 operand that is invariant along them is one value for JAX, whose cotangent
 JAX sums over those axes.
+
+JAX pairs its own collectives across processes by their place in the compiled
+program, so beside them every process must compile the same one. Inside
+shard_map the rules therefore keep rank-dependent constants from XLA's folding
+(jaxcomm._rules.same_program), and an operation whose result is x on some
+ranks (bcast's root) takes it from the MPI call there too.
 """
 
 from __future__ import annotations

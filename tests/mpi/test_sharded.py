@@ -28,8 +28,9 @@ from mpi4py import MPI
 import jaxcomm
 from jaxcomm import JaxComm
 
+DISTRIBUTED = os.environ.get("JAXCOMM_TEST_DISTRIBUTED") == "1"
 pytestmark = pytest.mark.skipif(
-    os.environ.get("JAXCOMM_TEST_DISTRIBUTED") != "1",
+    not DISTRIBUTED,
     reason="a jax.distributed program: JAXCOMM_TEST_DISTRIBUTED=1 (tests/test_mpiexec.py)",
 )
 
@@ -47,7 +48,9 @@ def mesh_of(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
     return Mesh(np.array(devices()).reshape(shape), names)
 
 
-MESH = mesh_of((N,), ("x",)) if N else None
+# Every process's device along one axis (the ranks of the suite's other runs are
+# separate JAX programs, each with a device of its own: no such mesh).
+MESH = mesh_of((N,), ("x",)) if DISTRIBUTED else None
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +149,7 @@ def test_every_family_acts_on_the_block(comm, line):
             "grid": grid.neighbor_allgather(x),
             "graph": graph.neighbor_alltoall(x[None]),
             "sendrecv": line.sendrecv(x, jnp.zeros_like(x), **ring(line)),
+            "tested": jnp.asarray(line.test(request)).reshape(1),  # done or not yet
             "iallreduce": line.wait(request),
         }
 
@@ -175,6 +179,7 @@ def test_every_family_acts_on_the_block(comm, line):
         "sendrecv": everyone[(RANK - 1) % N],
         "iallreduce": everyone.sum(0),
     }
+    assert got.pop("tested").dtype == np.bool_
     for name, want in expected.items():
         np.testing.assert_array_equal(got[name], want, err_msg=name)
     grid.free()
@@ -289,6 +294,8 @@ SAME_SHAPES = {
     "reduce_scatter": lambda c, x: c.reduce_scatter(jnp.outer(jnp.arange(1.0, N + 1), x)),
     "alltoallv": lambda c, x: c.alltoallv(x, np.full(N, 3 // N), capacity=3)[0],
     "allgatherv": lambda c, x: c.allgatherv(x, capacity=3 * N)[0][:3],
+    "iallreduce": lambda c, x: c.wait(c.iallreduce(x)),
+    "ibcast": lambda c, x: c.wait(c.ibcast(x, root=0)),
 }
 
 
@@ -318,7 +325,7 @@ def test_every_process_compiles_the_same_program(line):
     programs = WORLD.allgather(_communication(grad.lower(0.7, x).compile().as_text()))
     ours = {call for _, _, call in programs[0] if call}
     theirs = [kind for _, kind, _ in programs[0] if kind]
-    assert len(ours) >= 10 and (theirs or N == 1), programs[0]  # both, beside each other
+    assert len(ours) >= 12 and (theirs or N == 1), programs[0]  # both, beside each other
     assert all(p == programs[0] for p in programs), programs
     value = partial(jax.jit(total), x=x)
     step = 1e-6
