@@ -188,7 +188,11 @@ def test_particles_migrate_as_on_one_rank(particles_1_rank, tmp_path, nprocs):
     np.testing.assert_allclose(np.load(path), particles_1_rank, atol=1e-5)
 
 
-@pytest.mark.parametrize("nprocs", [1, 2, 3])
+# Two processes in every environment; one and three in the first (matrix).
+@pytest.mark.parametrize(
+    "nprocs",
+    [pytest.param(1, marks=pytest.mark.matrix), 2, pytest.param(3, marks=pytest.mark.matrix)],
+)
 def test_sharded_particles_move_as_particles_on_one_rank(particles_1_rank, tmp_path, nprocs):
     """The sharded program (jax.distributed, shard_map, psum and jaxcomm's
     alltoallv) checks that every particle arrives once and momentum is kept;
