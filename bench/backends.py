@@ -16,6 +16,7 @@ scan             (count,)         (count,)         output
 i<op>            as <op>          as <op>          as <op>
 alltoallv        (p * count,)     (p * count,)     the input, element 0 replaced by the output's
 alltoallv_skew   (10 p count,)    ((p + 9) count,) as alltoallv; on rank 0, 10x the others'
+allgatherv       (count,)         (p count,)       as alltoallv
 neighbor         (2, count)       (2, count)       output
 halo             (2, count)       (2, count)       output
 graph_alltoallv  (k count,)       (k count,)       output (k: this rank's neighbours)
@@ -27,6 +28,8 @@ alltoallv sends `count` elements (rows of one float32) to every rank, and
 alltoallv_skew the same but 10 * count from rank 0 (its input is 10x longer);
 both count the rows received with an alltoall of the counts on every call, as
 a program whose counts change would (C: MPI_Alltoall, then MPI_Alltoallv).
+allgatherv gathers every rank's `count` rows on every rank, learning the counts
+the same way (C: MPI_Allgather, then MPI_Allgatherv).
 
 neighbor and halo exchange blocks with the two neighbours on a periodic ring
 (a 1-d Cartesian grid): block 0 goes down and block 1 up, and the result's
@@ -70,13 +73,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 BLOCKING = ("allreduce", "bcast", "sendrecv", "alltoall", "allgather", "reduce_scatter", "scan")
 NONBLOCKING = ("iallreduce", "ibcast", "isendrecv", "ialltoall", "iallgather", "ireduce_scatter")
-VARIABLE = ("alltoallv", "alltoallv_skew")
+VARIABLE = ("alltoallv", "alltoallv_skew", "allgatherv")
 RING = ("neighbor", "halo")
 GRAPH = ("graph_alltoallv", "graph_dense", "graph_sendrecv")
 OPS = BLOCKING + NONBLOCKING + VARIABLE + RING + GRAPH
@@ -128,6 +132,8 @@ def send_counts(op: str, count: int, rank: int, size: int) -> np.ndarray:
 
 
 def input_shape(op: str, count: int, size: int, rank: int = 0) -> tuple[int, ...]:
+    if op == "allgatherv":
+        return (count,)
     if op in VARIABLE:
         return (int(send_counts(op, count, rank, size).sum()),)
     if op in RING:
@@ -168,6 +174,8 @@ def expected(op: str, count: int, rank: int, size: int) -> np.ndarray:
         return np.concatenate(
             [[]] + [inputs[s].reshape(-1, count)[graph[s].index(rank)] for s in graph[rank]]
         ).astype(np.float32)
+    if op == "allgatherv":
+        return np.concatenate(inputs)
     if op in VARIABLE:
         counts = [send_counts(op, count, r, size) for r in range(size)]
         return np.concatenate(
@@ -311,6 +319,7 @@ class Mpi4py(Backend):
             "halo": self._halo,
             "alltoallv": partial(self._alltoallv, send_counts(op, count, comm.rank, size)),
             "alltoallv_skew": partial(self._alltoallv, send_counts(op, count, comm.rank, size)),
+            "allgatherv": self._allgatherv,
             "graph_alltoallv": partial(self._graph_alltoallv, count),
             "graph_dense": partial(self._graph_dense, dense_counts(count, comm.rank, size)),
             "graph_sendrecv": partial(self._graph_sendrecv, count),
@@ -373,6 +382,12 @@ class Mpi4py(Backend):
             block = slice(k * count, (k + 1) * count)
             self.comm.Sendrecv(a[block], peer, 0, b[block], peer, 0)
 
+    def _allgatherv(self, a, b):
+        counts = np.empty(self.comm.size, np.int32)
+        self.comm.Allgather(np.array([len(a)], np.int32), counts)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        self.comm.Allgatherv(a, [b, counts, starts, MPI.FLOAT])
+
     def _alltoallv(self, counts, a, b):
         received = np.empty_like(counts)
         self.comm.Alltoall(counts, received)
@@ -383,12 +398,18 @@ class Mpi4py(Backend):
 
 
 # ---------------------------------------------------------------------------
-# JAX backends: jaxcomm and mpi4jax, inside one jit or one Python call per op
+# JAX backends: jaxcomm, mpi4jax and JAX's own collectives (gloo), per op inside
+# one jit, or one Python call per op
 
 
 #: Where the JAX backends keep their arrays (None: JAX's default device); set by
 #: run.py's --device.
 DEVICE = None
+
+#: How a JAX backend runs an op: "jit", per op inside one jitted loop; "eager",
+#: one Python call of the op on a jax.Array; "jax.jit" and "jaxcomm.jit", one
+#: Python call of the op's step compiled by that function.
+MODES = ("jit", "eager", "jax.jit", "jaxcomm.jit")
 
 
 def use_device(platform: str, comm: MPI.Intracomm) -> str:
@@ -397,7 +418,9 @@ def use_device(platform: str, comm: MPI.Intracomm) -> str:
     global DEVICE
     import jax
 
-    devices = jax.devices(platform)
+    # This process's devices: after jax.distributed.initialize, jax.devices()
+    # lists every process's.
+    devices = jax.local_devices(backend=platform)
     local_rank = comm.Split_type(MPI.COMM_TYPE_SHARED).rank
     DEVICE = devices[local_rank % len(devices)]
     if platform == "cpu":
@@ -408,35 +431,65 @@ def use_device(platform: str, comm: MPI.Intracomm) -> str:
     return f"{DEVICE.device_kind}, jaxcomm {mode}"
 
 
-def jax_case(
-    op: str, count: int, call: Callable, *, jit: bool, comm: MPI.Intracomm, live: bool = False
-) -> Case:
-    """`call(op)` gives the single-array function of this backend for op. With
-    `live`, x is still needed after each call (the next one's input is x with
-    one element taken from the result), as in a program that keeps its data."""
-    import jax
-    import jax.numpy as jnp
+@dataclass
+class Placement:
+    """Where a JAX backend's arrays live and how its functions see them: `put`
+    makes this rank's block (a NumPy array) into the array its functions take,
+    `local` gives this rank's block of a result as NumPy, and `per_block(f,
+    extra)` makes f, a function of the block (and `extra` scalars), into one of
+    those arrays."""
 
+    put: Callable[[np.ndarray], Any]
+    local: Callable[[Any], np.ndarray]
+    per_block: Callable[[Callable, int], Callable]
+
+
+def on_device() -> Placement:
+    """Each rank's own arrays on DEVICE (jaxcomm, mpi4jax)."""
+    import jax
+
+    return Placement(partial(jax.device_put, device=DEVICE), np.asarray, lambda f, extra: f)
+
+
+def jax_case(
+    op: str,
+    count: int,
+    call: Callable,
+    *,
+    mode: str,
+    comm: MPI.Intracomm,
+    live: bool = False,
+    placement: Placement | None = None,
+) -> Case:
+    """`call(op)` gives the single-array function of this backend for op, run as
+    `mode` says (MODES). With `live`, x is still needed after each call (the next
+    one's input is x with one element taken from the result), as in a program
+    that keeps its data."""
+    import jax
+
+    where = placement or on_device()
     fn = call(op)
     x = reference_input(op, count, comm.rank, comm.size)
+    zeros = np.zeros(x.shape, np.float32)
 
     if live or blocking_form(op) in ("allgather", "reduce_scatter", *VARIABLE):
         step = lambda c: c.at[(0,) * c.ndim].set(fn(c).reshape(-1)[0])  # noqa: E731
     else:
         step = fn
+    single = fn if mode == "eager" else jax.jit(where.per_block(fn, 0))
 
-    if jit:
+    if mode == "jit":
         # Two calls per iteration: XLA keeps a loop's carry in one buffer, so an op
         # that cannot write over its input (sendrecv) would need a copy back into
         # the carry after every call; with two, XLA alternates between two buffers
         # as C does.
         loop = jax.jit(
-            lambda c, n: jax.lax.fori_loop(0, n, lambda i, c: step(step(c)), c), donate_argnums=0
+            where.per_block(lambda c, n: jax.lax.fori_loop(0, n, lambda i, c: step(step(c)), c), 1),
+            donate_argnums=0,
         )
-        single = jax.jit(fn)
 
         def timed(pairs):
-            c = jnp.zeros(x.shape, jnp.float32, device=DEVICE).block_until_ready()
+            c = where.put(zeros).block_until_ready()
             # Ranks start together: a rank's short execution would otherwise also
             # time its wait for a partner still busy with the previous one.
             comm.Barrier()
@@ -454,12 +507,12 @@ def jax_case(
             once = min(timed(1) for _ in range(3))
             return (timed(pairs + 1) - once) * iters / (2 * pairs)
 
-    else:
-        single = fn
+    elif mode == "eager":
         feeds_back = step is fn
 
         def run(iters):
-            c = jnp.zeros(x.shape, jnp.float32, device=DEVICE).block_until_ready()
+            c = where.put(zeros).block_until_ready()
+            comm.Barrier()
             start = time.perf_counter()
             out = c
             for _ in range(iters):
@@ -467,23 +520,39 @@ def jax_case(
             out.block_until_ready()
             return time.perf_counter() - start
 
-    return Case(lambda: np.asarray(single(jax.device_put(x, DEVICE))), run)
+    else:  # one call of the compiled step from Python, each taking the last's result
+        import jaxcomm
+
+        compile_step = jax.jit if mode == "jax.jit" else jaxcomm.jit
+        stepped = compile_step(where.per_block(step, 0))
+
+        def run(iters):
+            out = where.put(zeros).block_until_ready()
+            comm.Barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                out = stepped(out)
+            out.block_until_ready()
+            return time.perf_counter() - start
+
+    return Case(lambda: where.local(single(where.put(x))), run)
 
 
-def jit_name(library: str, jit: bool, live: bool = False) -> str:
-    """jaxcomm-jit, jaxcomm-jit-live (x still needed after each call), jaxcomm-eager..."""
-    return f"{library}-{'jit' if jit else 'eager'}{'-live' if live else ''}"
+def jit_name(library: str, mode: str, live: bool = False) -> str:
+    """jaxcomm-jit, jaxcomm-jit-live (x still needed after each call), jaxcomm-eager,
+    jaxcomm-jax.jit..."""
+    return f"{library}-{mode}{'-live' if live else ''}"
 
 
 class JaxcommBackend(Backend):
-    def __init__(self, comm: MPI.Intracomm, *, jit: bool, check: bool = False, live=False):
+    def __init__(self, comm: MPI.Intracomm, *, mode: str, check: bool = False, live=False):
         from jaxcomm import JaxComm
 
         self.mpi_comm = comm
         self.comm = JaxComm(comm, check=check)
-        self.jit = jit
+        self.mode = mode
         self.live = live
-        self.name = jit_name("jaxcomm", jit, live) + ("-check" if check else "")
+        self.name = jit_name("jaxcomm", mode, live) + ("-check" if check else "")
 
     def _call(self, op):
         import jax.numpy as jnp
@@ -513,6 +582,8 @@ class JaxcommBackend(Backend):
                 return jnp.stack([up, down])
 
             return halo
+        if op == "allgatherv":
+            return lambda x: comm.allgatherv(x, capacity=comm.size * self._count)[0]
         if op in VARIABLE:
             counts = send_counts(op, self._count, comm.rank, comm.size)
             rows = capacity(op, self._count, comm.size)
@@ -564,20 +635,20 @@ class JaxcommBackend(Backend):
 
     def case(self, op, count):
         self._count = count
-        return jax_case(op, count, self._call, jit=self.jit, comm=self.mpi_comm, live=self.live)
+        return jax_case(op, count, self._call, mode=self.mode, comm=self.mpi_comm, live=self.live)
 
 
 class Mpi4jaxBackend(Backend):
     """mpi4jax >= 0.7 (no tokens). It has no reduce_scatter and no non-blocking ops."""
 
-    def __init__(self, comm: MPI.Intracomm, *, jit: bool, live: bool = False):
+    def __init__(self, comm: MPI.Intracomm, *, mode: str, live: bool = False):
         import mpi4jax
 
         self.m = mpi4jax
         self.comm = comm
-        self.jit = jit
+        self.mode = mode
         self.live = live
-        self.name = jit_name("mpi4jax", jit, live)
+        self.name = jit_name("mpi4jax", mode, live)
 
     def _call(self, op):
         m, comm = self.m, self.comm
@@ -594,7 +665,7 @@ class Mpi4jaxBackend(Backend):
     def case(self, op, count):
         if op == "reduce_scatter" or op in (*NONBLOCKING, *VARIABLE, *RING, *GRAPH):
             return None
-        return jax_case(op, count, self._call, jit=self.jit, comm=self.comm, live=self.live)
+        return jax_case(op, count, self._call, mode=self.mode, comm=self.comm, live=self.live)
 
 
 def mpi4jax_available() -> bool:
@@ -603,3 +674,100 @@ def mpi4jax_available() -> bool:
     except Exception:  # an mpi4jax built for another jax fails in many ways
         return False
     return True
+
+
+# ---------------------------------------------------------------------------
+# JAX's own multi-process collectives: gloo on CPU, through shard_map
+
+#: The jaxcomm op that each of JAX's collectives matches (JaxCollectives' ops).
+JAX_COLLECTIVES = {
+    "allreduce": "psum",
+    "allgather": "all_gather",
+    "alltoall": "all_to_all",
+    "sendrecv": "ppermute",
+    "reduce_scatter": "psum_scatter",
+}
+
+
+def start_jax_distributed(comm: MPI.Intracomm, collectives: str = "gloo") -> None:
+    """Make the ranks one jax.distributed job whose CPU collectives are
+    `collectives`, before JAX starts its backend: each process keeps its one
+    CPU device, and jax.devices() lists every process's. The coordinator
+    listens on 127.0.0.1, at a port rank 0 finds free."""
+    import socket
+
+    import jax
+
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    port = comm.bcast(port)
+    jax.config.update("jax_cpu_collectives_implementation", collectives)
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=comm.size, process_id=comm.rank)
+
+
+class JaxCollectives(Backend):
+    """JAX's own collectives (lax.psum, all_gather, all_to_all, ppermute,
+    psum_scatter) inside shard_map over a mesh of the processes' devices, one
+    per process (start_jax_distributed first): each rank's block is its own
+    input, as jaxcomm's is. Modes "jit" and "jax.jit" (MODES)."""
+
+    def __init__(self, comm: MPI.Intracomm, *, mode: str, library: str = "gloo"):
+        import jax
+        from jax.sharding import Mesh
+
+        if jax.process_count() != comm.size:
+            raise RuntimeError(f"bench: {library} needs jax.distributed over the {comm.size} ranks")
+        self.comm = comm
+        self.mode = mode
+        self.name = jit_name(library, mode)
+        # Rank r's block is the mesh's r-th: process r is rank r (start_jax_distributed).
+        devices = sorted(jax.devices(), key=lambda d: d.process_index)
+        self.mesh = Mesh(np.array(devices), ("ranks",))
+
+    def _call(self, op):
+        import jax
+
+        lax, size = jax.lax, self.comm.size
+        return {
+            "allreduce": lambda c: lax.psum(c, "ranks"),
+            "allgather": lambda c: lax.all_gather(c, "ranks"),
+            "alltoall": lambda c: lax.all_to_all(c, "ranks", 0, 0, tiled=True),
+            "sendrecv": lambda c: lax.ppermute(
+                c, "ranks", [(r, peer_of(r, size)) for r in range(size)]
+            ),
+            "reduce_scatter": lambda c: lax.psum_scatter(c, "ranks", scatter_dimension=0),
+        }[op]
+
+    def _placement(self, shape) -> Placement:
+        import jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        blocks = NamedSharding(self.mesh, P("ranks"))
+        # The global array: the ranks' blocks one after the other along axis 0.
+        global_shape = (self.comm.size * shape[0], *shape[1:])
+
+        def per_block(f, extra):
+            # check_vma off: a psum's result is the same on every process, which the
+            # loop carry (varying) would otherwise refuse.
+            specs = (P("ranks"), *[P()] * extra)
+            return jax.shard_map(
+                f, mesh=self.mesh, in_specs=specs, out_specs=P("ranks"), check_vma=False
+            )
+
+        return Placement(
+            lambda block: jax.make_array_from_process_local_data(blocks, block, global_shape),
+            lambda out: np.asarray(out.addressable_shards[0].data),
+            per_block,
+        )
+
+    def case(self, op, count):
+        if op not in JAX_COLLECTIVES:
+            return None
+        shape = input_shape(op, count, self.comm.size, self.comm.rank)
+        return jax_case(
+            op, count, self._call, mode=self.mode, comm=self.comm, placement=self._placement(shape)
+        )

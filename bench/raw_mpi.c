@@ -124,6 +124,17 @@ double raw_mpi_time(const char* op, MPI_Fint comm_f, float* a, float* b, int cou
       MPI_Alltoallv(a, send, send_at, MPI_FLOAT, b, recv, recv_at, MPI_FLOAT, comm);
     }
     free(counts);
+  } else if (!strcmp(op, "allgatherv")) {
+    /* `count` floats from every rank, the counts learnt on every call. */
+    int* counts = malloc(2 * sizeof(int) * (size_t)size);
+    int* starts = counts + size;
+    for (int i = 0; i < iters; ++i) {
+      MPI_Allgather(&count, 1, MPI_INT, counts, 1, MPI_INT, comm);
+      starts[0] = 0;
+      for (int r = 1; r < size; ++r) starts[r] = starts[r - 1] + counts[r - 1];
+      MPI_Allgatherv(a, count, MPI_FLOAT, b, counts, starts, MPI_FLOAT, comm);
+    }
+    free(counts);
   } else {
     return -1.0;
   }

@@ -4,6 +4,11 @@ mpi4py, mpi4jax (when installed) and jaxcomm itself, side by side in one job.
     mpiexec -n 2 python bench/run.py            # full suite: table, JSON lines, PNG
     mpiexec -n 2 python bench/run.py --quick    # small sizes, few repetitions
 
+Backends that run only when --backends names them: jaxcomm-jit-check,
+jaxcomm-jax.jit and jaxcomm-jaxcomm.jit (one jitted step per Python call), and
+gloo-jit and gloo-jax.jit, JAX's own collectives through shard_map (the ranks
+become one jax.distributed job first; end a stuck run with timeout -s KILL).
+
 Each (op, size) is checked against NumPy on every backend before it is timed; a
 wrong result stops the run. For each repetition the backends run in turn
 (interleaved), each timing a loop long enough to last --min-time; the time per
@@ -49,7 +54,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--backends",
         default="",
-        help="comma-separated subset (default: all but jaxcomm-jit-check, checking mode's cost)",
+        help=f"comma-separated subset (default: all but {', '.join(ON_REQUEST)})",
     )
     parser.add_argument("--out", type=Path, default=HERE / "results", help="output folder")
     parser.add_argument("--quick", action="store_true", help="4 B to 4 KiB, 3 repetitions")
@@ -67,20 +72,38 @@ def parse_args(argv=None):
     return args
 
 
+#: Backends that run only when --backends names them: checking mode's cost, one
+#: jitted step per Python call, and JAX's own collectives (which make the ranks
+#: one jax.distributed job first).
+ON_REQUEST = (
+    "jaxcomm-jit-check",
+    "jaxcomm-jax.jit",
+    "jaxcomm-jaxcomm.jit",
+    "gloo-jit",
+    "gloo-jax.jit",
+)
+
+
 def make_backends(comm: MPI.Intracomm, wanted: set[str], build_dir: Path) -> list[B.Backend]:
     library = B.build_raw_mpi(build_dir) if comm.rank == 0 else None
     comm.Barrier()  # rank 0 compiled the C library; the others find it built
     found: list[B.Backend] = [B.RawMPI(comm, library or B.build_raw_mpi(build_dir)), B.Mpi4py(comm)]
     if B.mpi4jax_available():
-        found += [B.Mpi4jaxBackend(comm, jit=True), B.Mpi4jaxBackend(comm, jit=False)]
-        found.append(B.Mpi4jaxBackend(comm, jit=True, live=True))
-    found += [B.JaxcommBackend(comm, jit=True), B.JaxcommBackend(comm, jit=False)]
-    found.append(B.JaxcommBackend(comm, jit=True, live=True))
-    if "jaxcomm-jit-check" in wanted:  # checking mode's cost: only when asked for
-        found.append(B.JaxcommBackend(comm, jit=True, check=True))
+        found += [B.Mpi4jaxBackend(comm, mode="jit"), B.Mpi4jaxBackend(comm, mode="eager")]
+        found.append(B.Mpi4jaxBackend(comm, mode="jit", live=True))
+    found += [B.JaxcommBackend(comm, mode="jit"), B.JaxcommBackend(comm, mode="eager")]
+    found.append(B.JaxcommBackend(comm, mode="jit", live=True))
+    if "jaxcomm-jit-check" in wanted:
+        found.append(B.JaxcommBackend(comm, mode="jit", check=True))
+    found += [
+        B.JaxcommBackend(comm, mode=m)
+        for m in ("jax.jit", "jaxcomm.jit")
+        if f"jaxcomm-{m}" in wanted
+    ]
+    found += [B.JaxCollectives(comm, mode=m) for m in ("jit", "jax.jit") if f"gloo-{m}" in wanted]
     if B.DEVICE is not None and B.DEVICE.platform != "cpu":
         found = [b for b in found if not isinstance(b, (B.RawMPI, B.Mpi4py))]
-    return [b for b in found if not wanted or b.name in wanted]
+    return [b for b in found if b.name in wanted or (not wanted and b.name not in ON_REQUEST)]
 
 
 def slowest_per_call(comm: MPI.Intracomm, case: B.Case, iters: int, name: str) -> float:
@@ -215,6 +238,37 @@ def summarize(records: list[dict]) -> list[str]:
     return lines
 
 
+#: Each way jaxcomm runs an op, and the way of JAX's collectives it is held
+#: against: per op inside a jitted loop, and per call from Python.
+AGAINST_JAX = (
+    ("jaxcomm-jit", "gloo-jit"),
+    ("jaxcomm-jaxcomm.jit", "gloo-jax.jit"),
+    ("jaxcomm-jax.jit", "gloo-jax.jit"),
+    ("jaxcomm-eager", "gloo-jax.jit"),
+)
+
+
+def against_jax(records: list[dict]) -> list[str]:
+    """For each pair of AGAINST_JAX measured, the range of jaxcomm / JAX's time per
+    call (medians of this run) and every cell where jaxcomm was slower."""
+    median = {(r["op"], r["bytes"], r["backend"]): r["median_us"] for r in records}
+    lines = []
+    for ours, theirs in AGAINST_JAX:
+        ratios = sorted(
+            (median[op, nbytes, ours] / them, op, nbytes)
+            for (op, nbytes, name), them in median.items()
+            if name == theirs and (op, nbytes, ours) in median
+        )
+        if not ratios:
+            continue
+        slower = [f"{op} {human(n)} {r:.2f}x" for r, op, n in reversed(ratios) if r > 1]
+        lines.append(
+            f"{ours} / {theirs}: {ratios[0][0]:.2f}x to {ratios[-1][0]:.2f}x over "
+            f"{len(ratios)} cells; slower in {', '.join(slower) if slower else 'none'}"
+        )
+    return lines
+
+
 def plot(records: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -279,17 +333,24 @@ def main(argv=None) -> None:
             f"# {comm.size} ranks; {MPI.Get_library_version().splitlines()[0].strip()}; "
             f"Python {platform.python_version()}; min-time {args.min_time}s; reps {args.reps}"
         )
+    wanted = set(filter(None, args.backends.split(",")))
+    if any(name.startswith("gloo-") for name in wanted):
+        B.start_jax_distributed(comm, "gloo")
     where = B.use_device(args.device, comm)
     if comm.rank == 0:
         print(f"# JAX arrays on {where}; host memory: {memory_pages()}")
     records = measure(comm, args, out_file)
     if comm.rank == 0:
         out_file.close()
-        print("\n".join(summarize(records)))
+        print("\n".join(summarize(records) + against_jax(records)))
         print(f"# wrote {args.out / 'latency.jsonl'}")
         if not args.no_plot:
             plot(records, args.out / "latency.png")
             print(f"# wrote {args.out / 'latency.png'}")
+    if any(name.startswith("gloo-") for name in wanted):
+        import jax
+
+        jax.distributed.shutdown()  # every process together, before MPI finalises
     comm.Free()
 
 

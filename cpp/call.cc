@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "collectives.h"
+#include "lockstep.h"
 
 namespace jaxcomm {
 namespace {
@@ -111,6 +112,7 @@ std::string human_bytes(double n) {
 struct Registered {
   MPI_Comm comm = MPI_COMM_NULL;
   std::shared_ptr<const mpi::Neighborhood> neighborhood;
+  int size = 0;  // ranks, kept after the communicator is freed (lockstep.h)
 };
 
 struct Registry {
@@ -138,7 +140,9 @@ void configure(bool debug, double timeout) { current_settings = {debug, timeout}
 
 void register_comm(int64_t key, int64_t handle) {
   const MPI_Comm comm = comm_from_handle(handle);
-  Registered entry{comm, mpi::neighborhood_of(comm)};
+  int size = 0;
+  MPI_Comm_size(comm, &size);
+  Registered entry{comm, mpi::neighborhood_of(comm), size};
   Registry& r = registry();
   std::lock_guard lock(r.mutex);
   r.comms[key] = std::move(entry);
@@ -147,7 +151,11 @@ void register_comm(int64_t key, int64_t handle) {
 void unregister_comm(int64_t key) {
   Registry& r = registry();
   std::lock_guard lock(r.mutex);
-  r.comms.erase(key);
+  auto found = r.comms.find(key);
+  if (found == r.comms.end()) return;
+  // Its handle goes, so that a call finds it freed; its number of ranks stays
+  // for that call's error (lockstep.h).
+  found->second = Registered{MPI_COMM_NULL, nullptr, found->second.size};
 }
 
 namespace {
@@ -189,6 +197,7 @@ Call::Call(int64_t comm_key, bool check) : check_(check), operation_(current_ope
   Registered found = registered(comm_key);
   comm_ = found.comm;
   neighborhood_ = std::move(found.neighborhood);
+  running_on(found.size);
   calls.fetch_add(1, std::memory_order_relaxed);
   const Settings& s = settings();
   recording_ = check_ || s.debug || s.timeout > 0;
@@ -289,17 +298,20 @@ Call::~Call() {
 
 ffi::Error Call::live() const {
   if (comm_ != MPI_COMM_NULL) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                    "jaxcomm: " + std::string(operation_) +
-                        " on a communicator that has been freed (a function compiled with a "
-                        "JaxComm was called after its free())");
+  // free() is collective: every rank finds its communicator gone.
+  return on_every_rank(
+      ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                 "jaxcomm: " + std::string(operation_) +
+                     " on a communicator that has been freed (a function compiled with "
+                     "a JaxComm was called after its free())"));
 }
 
 ffi::Error Call::neighborhood(const mpi::Neighborhood** found) const {
   *found = neighborhood_.get();
   if (neighborhood_) return ffi::Error::Success();
-  return invalid_argument(
-      operation_, "needs a Cartesian or graph communicator (create_cart, create_dist_graph)");
+  // The same communicator, without a topology, on every rank.
+  return on_every_rank(invalid_argument(
+      operation_, "needs a Cartesian or graph communicator (create_cart, create_dist_graph)"));
 }
 
 ffi::Error Call::agree() {
@@ -323,10 +335,11 @@ ffi::Error Call::agree() {
   int other = 1;
   while (other < size && of(other) == of(0)) ++other;
   if (other == size) other = 1;  // only the hashes differ: descriptions were cut
-  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                    "jaxcomm check: rank " + std::to_string(other) + " called " + of(other) +
-                        " while rank 0 called " + of(0) +
-                        " (every rank must make the same collective calls, in the same order)");
+  return on_every_rank(
+      ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                 "jaxcomm check: rank " + std::to_string(other) + " called " + of(other) +
+                     " while rank 0 called " + of(0) +
+                     " (every rank must make the same collective calls, in the same order)"));
 }
 
 Call::MessageHeader Call::make_header(int64_t pieces) const {
@@ -385,13 +398,14 @@ ffi::Error Call::mismatch(int source, int tag) {
   return mismatch_error(source, tag);
 }
 
+// The message has been received or drained: its sender waits for nothing.
 ffi::Error Call::mismatch_error(int source, int tag) const {
-  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                    "jaxcomm check: " + std::string(operation_) + " on rank " +
-                        std::to_string(comm_rank(comm_)) + " receives into " + receiving_ +
-                        " but rank " + std::to_string(source) + " sent " +
-                        std::string(incoming_.array) + " (tag " + std::to_string(tag) +
-                        "); the dtype and number of elements must match");
+  return paired(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                           "jaxcomm check: " + std::string(operation_) + " on rank " +
+                               std::to_string(comm_rank(comm_)) + " receives into " + receiving_ +
+                               " but rank " + std::to_string(source) + " sent " +
+                               std::string(incoming_.array) + " (tag " + std::to_string(tag) +
+                               "); the dtype and number of elements must match"));
 }
 
 bool Call::header_matches(ffi::DataType dtype, ffi::Span<const int64_t> dims) {

@@ -3,7 +3,9 @@
 // eager path (eager.h); and which MPI library the module is linked to.
 #include <mpi.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
@@ -13,6 +15,7 @@
 
 #include "call.h"
 #include "eager.h"
+#include "lockstep.h"
 #include "operations.h"
 #include "requests.h"
 
@@ -21,29 +24,41 @@ namespace nb = nanobind;
 namespace jaxcomm {
 namespace {
 
-// A handler called by XLA: when it fails, its computation ends before the waits
-// of the requests it posted (requests.h, abandon_compiled).
+// A handler called by XLA. Out of step, it refuses to run (lockstep.h). When it
+// fails, its computation ends before the waits of the requests it posted
+// (requests.h, abandon_compiled), and this rank may go out of step: `last` says
+// that no jaxcomm operation follows it in its computation (jaxcomm/_lockstep.py).
 template <auto Function>
 struct Compiled;
 
 template <typename... Args, ffi::Error (*Function)(Args...)>
 struct Compiled<Function> {
-  static ffi::Error Run(Args... args) {
-    Entered entered(kOperationName<Function>);
+  static ffi::Error Run(ffi::RunId run, Args... args, bool last) {
+    constexpr std::string_view operation = kOperationName<Function>;
+    if (ffi::Error refused = in_step(operation); refused.failure()) return refused;
+    Entered entered(operation);
+    mpi::Executing executing(run.run_id);
     ffi::Error error = Function(std::move(args)...);
-    if (error.failure()) mpi::abandon_compiled();
+    if (error.failure()) {
+      failed(operation, error, last, on_python_thread());
+      mpi::abandon_compiled(run.run_id);
+    }
     return error;
   }
 };
 
 }  // namespace
 
-#define JAXCOMM_DEFINE_CPU_HANDLER(name, function, binding, attributes) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name, Compiled<&mpi::function>::Run, binding attributes);
-JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind(), JAXCOMM_BIND_ATTRIBUTE)
-JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, ffi::Ffi::Bind(), JAXCOMM_BIND_ATTRIBUTE)
-JAXCOMM_DEFINE_CPU_HANDLER(wait, Wait, waiting(ffi::Ffi::Bind()), )
-JAXCOMM_DEFINE_CPU_HANDLER(test, Test, testing(ffi::Ffi::Bind()), )
+#define JAXCOMM_DEFINE_CPU_HANDLER(name, function, binding, attributes)        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name, Compiled<&mpi::function>::Run, \
+                                binding attributes.Attr<bool>("last"));
+// The execution's RunId first: whose requests a failure abandons.
+#define JAXCOMM_CPU_BASE ffi::Ffi::Bind().Ctx<ffi::RunId>()
+JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, JAXCOMM_CPU_BASE, JAXCOMM_BIND_ATTRIBUTE)
+JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, JAXCOMM_CPU_BASE, JAXCOMM_BIND_ATTRIBUTE)
+JAXCOMM_DEFINE_CPU_HANDLER(wait, Wait, waiting(JAXCOMM_CPU_BASE), )
+JAXCOMM_DEFINE_CPU_HANDLER(test, Test, testing(JAXCOMM_CPU_BASE), )
+#undef JAXCOMM_CPU_BASE
 #undef JAXCOMM_DEFINE_CPU_HANDLER
 }  // namespace jaxcomm
 
@@ -74,6 +89,7 @@ NB_MODULE(_jaxcomm_cpu, m) {
     JAXCOMM_NONBLOCKING_OPERATIONS(JAXCOMM_REGISTER, _, JAXCOMM_ATTRIBUTE_NAME)
     JAXCOMM_REGISTER(wait, _)
     JAXCOMM_REGISTER(test, _)
+    targets["jaxcomm_in_step"] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_in_step));
 #undef JAXCOMM_REGISTER
     return targets;
   });
@@ -115,6 +131,23 @@ NB_MODULE(_jaxcomm_cpu, m) {
         "Let operations compiled with `key` use the MPI communicator `handle`.");
   m.def("unregister_comm", &jaxcomm::unregister_comm, nb::arg("key"),
         "Operations compiled with `key` fail from now on (the communicator is freed).");
+  m.def(
+      "refusal",
+      [](std::string_view operation) -> std::optional<std::string> {
+        xla::ffi::Error refused = jaxcomm::in_step(operation);
+        if (refused.success()) return std::nullopt;
+        return "FAILED_PRECONDITION: " + refused.message();
+      },
+      nb::arg("operation"), "The error that refuses `operation` while out of step, else None.");
+  m.def("out_of_step", &jaxcomm::out_of_step,
+        "Why this rank is out of step with its peers (lockstep.h), or None.");
+  m.def("diverge", &jaxcomm::diverge, nb::arg("why"),
+        "Put this rank out of step: `why` says which of its calls did not run.");
+  m.def("resume", &jaxcomm::resume,
+        "Back in step, for a test that made the calls its peers waited for.");
+  m.def(
+      "lockstep_state", [] { return nb::capsule(jaxcomm::state()); },
+      "The lockstep state, for the CUDA module to share.");
   m.def("call_count", &jaxcomm::call_count,
         "How many times a handler has called into MPI in this process.");
   m.attr("MPI_VERSION") = MPI_VERSION;

@@ -31,6 +31,7 @@
 #endif
 
 #include "call.h"
+#include "lockstep.h"
 #include "memory.h"
 #include "operations.h"
 #include "xla/ffi/api/ffi.h"
@@ -300,8 +301,18 @@ struct Staged<Function> {
     return pointers == Pointers::kDevice || !(is_half_float(args) || ...);
   }
 
-  static ffi::Error Run(cudaStream_t stream, Args... args) {
-    Entered entered(kOperationName<Function>);
+  // Out of step, refuses to run; a failure may put this rank out of step
+  // (lockstep.h; `last` as for the CPU handlers, cpu.cc).
+  static ffi::Error Run(cudaStream_t stream, Args... args, bool last) {
+    constexpr std::string_view operation = kOperationName<Function>;
+    if (ffi::Error refused = in_step(operation); refused.failure()) return refused;
+    Entered entered(operation);
+    ffi::Error error = Stage(stream, args...);
+    if (error.failure()) failed(operation, error, last, on_python_thread());
+    return error;
+  }
+
+  static ffi::Error Stage(cudaStream_t stream, Args... args) {
     if (direct(args...)) {
       JAXCOMM_CHECK_CUDA(cudaStreamSynchronize(stream), "waiting for the inputs");
       DeviceMemory device(stream);
@@ -322,7 +333,7 @@ struct Staged<Function> {
 
 #define JAXCOMM_DEFINE_CUDA_HANDLER(name, function, binding, attributes)            \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name##_cuda, Staged<&mpi::function>::Run, \
-                                binding attributes);
+                                binding attributes.Attr<bool>("last"));
 JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CUDA_HANDLER,
                    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(),
                    JAXCOMM_BIND_ATTRIBUTE)
@@ -338,6 +349,7 @@ NB_MODULE(_jaxcomm_cuda, m) {
   targets["jaxcomm_" #name] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_##name##_cuda));
     JAXCOMM_OPERATIONS(JAXCOMM_REGISTER, _, JAXCOMM_ATTRIBUTE_NAME)
 #undef JAXCOMM_REGISTER
+    targets["jaxcomm_in_step"] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_in_step));
     return targets;
   });
   // This module has its own copy of call.cc's state: jaxcomm._native configures
@@ -352,6 +364,9 @@ NB_MODULE(_jaxcomm_cuda, m) {
       "JAXCOMM_DEBUG, JAXCOMM_TIMEOUT and JAXCOMM_CUDA_AWARE, read by jaxcomm._settings.");
   m.def("register_comm", &jaxcomm::register_comm, nb::arg("key"), nb::arg("handle"));
   m.def("unregister_comm", &jaxcomm::unregister_comm, nb::arg("key"));
+  m.def(
+      "share_lockstep", [](nb::capsule state) { jaxcomm::share(state.data()); }, nb::arg("state"),
+      "Use the CPU module's lockstep state (lockstep.h): one for the process.");
   m.def("cuda_aware", &jaxcomm::cuda_aware,
         "Whether device pointers go to MPI directly (JAXCOMM_CUDA_AWARE, or the MPI's own query).");
 }

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "call.h"
+#include "lockstep.h"
 #include "operations.h"
 #include "requests.h"
 
@@ -182,6 +183,7 @@ class EagerCall {
             std::vector<std::tuple<nb::object, int, nb::object>> outputs, nb::tuple attrs,
             nb::object before, nb::object fail)
       : run_(eager_run(operation)),
+        operation_(operation),
         templates_(templates),
         input_codes_(std::move(input_codes)),
         attrs_(std::move(attrs)),
@@ -194,12 +196,23 @@ class EagerCall {
     }
   }
 
-  // The results on `inputs`, as a list of new jax.Arrays.
+  // The results on `inputs`, as a list of new jax.Arrays. The call is its own
+  // computation, of one operation, run on the Python thread: an error leaves this
+  // rank in step if it is paired (lockstep.h). So does Ctrl-C, which cancels a
+  // receive and leaves a send to MPI. A call that `before()` refuses (an earlier
+  // computation failed) never runs, while the peers run theirs.
   nb::list operator()(nb::args inputs) const {
     if (inputs.size() != templates_ + input_codes_.size()) {
       throw nb::type_error("jaxcomm eager call: wrong number of arrays");
     }
-    before_();
+    if (ffi::Error refused = in_step(operation_); refused.failure()) raise(refused);
+    try {
+      before_();
+    } catch (nb::python_error& error) {
+      diverge(operation_ + " was not run: an earlier computation failed (" +
+              nb::str(error.value()).c_str() + ")");
+      throw;
+    }
     std::vector<nb::object> outputs;
     outputs.reserve(allocate_.size());
     for (const nb::object& allocate : allocate_) outputs.push_back(allocate());
@@ -210,8 +223,8 @@ class EagerCall {
     }
     raise_if_interrupted();
     if (!error.success()) {
-      fail_(error_code_name(error.errc()), error.message());
-      throw std::runtime_error("jaxcomm eager call: fail() returned");
+      failed(operation_, error, /*last=*/true, /*synchronous=*/true);
+      raise(error);
     }
     nb::list results;
     for (size_t i = 0; i < outputs.size(); ++i) {
@@ -221,7 +234,13 @@ class EagerCall {
   }
 
  private:
+  [[noreturn]] void raise(const ffi::Error& error) const {
+    fail_(error_code_name(error.errc()), error.message());
+    throw std::runtime_error("jaxcomm eager call: fail() returned");
+  }
+
   EagerRun run_;
+  std::string operation_;
   size_t templates_;
   std::vector<int> input_codes_, output_codes_;
   std::vector<nb::object> allocate_, wrap_;
@@ -245,15 +264,19 @@ std::tuple<std::string, std::string, int, int> complete(nb::handle request, nb::
   int32_t status[2] = {MPI_PROC_NULL, MPI_ANY_TAG};
   const void* key = address_of(request);
   void* result = address_of(out, /*writable=*/true);
-  ffi::Error error = ffi::Error::Success();
-  {
+  constexpr std::string_view operation = kOperationName<&mpi::Wait>;
+  ffi::Error error = in_step(operation);
+  if (error.success()) {
     nb::gil_scoped_release unlocked;
     mpi::CheckInterrupts interrupts(&python_interrupted);
-    Entered entered(kOperationName<&mpi::Wait>);
+    Entered entered(operation);
     error = mpi::complete(key, result, status);
   }
-  raise_if_interrupted();
-  if (!error.success()) return {error_code_name(error.errc()), error.message(), 0, 0};
+  raise_if_interrupted();  // Ctrl-C: the receive cancelled, the send left to MPI
+  if (!error.success()) {
+    failed(operation, error, /*last=*/true, /*synchronous=*/true);
+    return {error_code_name(error.errc()), error.message(), 0, 0};
+  }
   return {"", "", status[0], status[1]};
 }
 
@@ -262,12 +285,14 @@ std::tuple<std::string, std::string, int, int> complete(nb::handle request, nb::
 std::tuple<std::string, std::string, bool> test(nb::handle request) {
   bool done = false;
   const void* key = address_of(request);
-  ffi::Error error = ffi::Error::Success();
-  {
+  constexpr std::string_view operation = kOperationName<&mpi::Test>;
+  ffi::Error error = in_step(operation);
+  if (error.success()) {
     nb::gil_scoped_release unlocked;
-    Entered entered(kOperationName<&mpi::Test>);
+    Entered entered(operation);
     error = mpi::test(key, &done);
   }
+  if (error.failure()) failed(operation, error, /*last=*/true, /*synchronous=*/true);
   if (!error.success()) return {error_code_name(error.errc()), error.message(), false};
   return {"", "", done};
 }

@@ -269,7 +269,8 @@ ffi::Error Irecv(Token, TokenOut, Result out, Result request, int64_t comm_key, 
     const MPI_Status* data = statuses + (header ? 1 : 0);
     for (int64_t offset = 0, i = 0; offset < count || i == 0; offset += kMaxCount, ++i) {
       const int n = static_cast<int>(std::min<int64_t>(count - offset, kMaxCount));
-      if (auto err = check_count(data[i], type, n, done.operation()); err.failure()) return err;
+      if (auto err = check_count(data[i], type, n, done.operation()); err.failure())
+        return paired(std::move(err));  // the message arrived whole
     }
     if (status != nullptr) {
       status[0] = data[0].MPI_SOURCE;

@@ -111,9 +111,13 @@ class PieceReceiver {
   }
 
   // The receive's error, given for_each_piece's `result`; else writes the status.
-  ffi::Error finish(int result, std::string_view operation, MPI_Comm comm, Status& status) {
-    if (count_error_.failure()) return std::move(count_error_);
-    JAXCOMM_CHECK_MPI(result, operation, comm);
+  // A message received whole, in `one_step`, leaves its sender waiting for
+  // nothing, whether or not it fits: its error is paired (lockstep.h).
+  ffi::Error finish(int result, std::string_view operation, MPI_Comm comm, Status& status,
+                    bool one_step) {
+    if (count_error_.failure())
+      return one_step ? paired(std::move(count_error_)) : std::move(count_error_);
+    if (auto err = check_received(result, operation, comm, one_step); err.failure()) return err;
     write_status(status, first_);
     return ffi::Error::Success();
   }
@@ -163,7 +167,7 @@ ffi::Error Recv(Token, TokenOut, Result out, Status status, int64_t comm_key, bo
         recv(bytes(out) + offset * width, n, type, receiver.source(), receiver.tag(), comm, &s);
     return receiver.arrived(offset / kMaxCount, code, s, type, n, call.operation());
   });
-  return receiver.finish(result, call.operation(), comm, status);
+  return receiver.finish(result, call.operation(), comm, status, pieces(out->element_count()) == 1);
 }
 
 ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_t comm_key,
@@ -215,7 +219,8 @@ ffi::Error Sendrecv(Token, Buffer x, TokenOut, Result out, Status status, int64_
                  bytes(out) + offset * recv_width, rn, recv_type, from, receiver.tag(), comm, &s);
     return receiver.arrived(step, code, s, recv_type, rn, call.operation());
   });
-  return receiver.finish(result, call.operation(), comm, status);
+  return receiver.finish(result, call.operation(), comm, status,
+                         std::max(send_pieces, recv_pieces) == 1);
 }
 
 // `tags` holds (sendtag, recvtag), computed at run time: the AD rules of receives

@@ -12,6 +12,7 @@
 
 #include "binding.h"
 #include "jaxcomm/jaxcomm.h"
+#include "lockstep.h"
 
 namespace jaxcomm::mpi {
 
@@ -29,6 +30,18 @@ ffi::Error TaggedSendrecv(Token, Buffer x, Buffer tags, TokenOut, Result out, St
 // How many messages for_each_piece splits `count` elements into.
 inline int64_t pieces(int64_t count) {
   return count == 0 ? 1 : (count + kMaxCount - 1) / kMaxCount;
+}
+
+// check_mpi of a receive's `code`. MPI's error for a message longer than the
+// buffer comes after the message has been received whole: it is paired
+// (lockstep.h) where `whole` says that no other piece of it was left unreceived.
+inline ffi::Error check_received(int code, std::string_view operation, MPI_Comm comm, bool whole) {
+  ffi::Error error = check_mpi(code, operation, comm);
+  int error_class = MPI_SUCCESS;
+  if (error.failure() && whole && MPI_Error_class(code, &error_class) == MPI_SUCCESS &&
+      error_class == MPI_ERR_TRUNCATE)
+    return paired(std::move(error));
+  return error;
 }
 
 // A message shorter than the buffer is an error, not a partly written result.

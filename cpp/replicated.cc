@@ -14,6 +14,7 @@
 
 #include "call.h"
 #include "jaxcomm/jaxcomm.h"
+#include "lockstep.h"
 #include "memory.h"
 
 namespace jaxcomm::mpi {
@@ -98,7 +99,7 @@ ffi::Error CheckReplicated(Token, Buffer x, TokenOut, Result out, int64_t comm_k
   message +=
       "). Its result is treated as one replicated value; mark a replicated value that "
       "feeds rank-dependent code with comm.pvary(x).";
-  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, message);
+  return on_every_rank(ffi::Error(ffi::ErrorCode::kFailedPrecondition, message));
 }
 
 }  // namespace jaxcomm::mpi

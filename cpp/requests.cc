@@ -14,7 +14,9 @@
 #include "binding.h"
 #include "call.h"
 #include "jaxcomm/jaxcomm.h"
+#include "lockstep.h"
 #include "memory.h"
+#include "p2p.h"
 
 namespace jaxcomm::mpi {
 namespace {
@@ -33,6 +35,7 @@ Table& table() {
 }
 
 thread_local bool (*interrupt_check)() = nullptr;
+thread_local int64_t executing = 0;  // Executing's run
 
 std::string wait_name(std::string_view operation) { return "wait(" + std::string(operation) + ")"; }
 
@@ -47,12 +50,28 @@ void reap(Table& t) {
 }
 
 // `pending` will never be waited: cancelled where MPI can, it stays an orphan
-// until MPI has completed it. The caller holds the table's lock.
-void orphan(Table& t, Pending pending) {
-  for (MPI_Request& request : pending.requests)
-    if (pending.cancellable && request != MPI_REQUEST_NULL) MPI_Cancel(&request);
+// until MPI has completed it. Returns whether it was a receive that had no
+// message yet. The caller holds the table's lock.
+bool orphan(Table& t, Pending pending) {
+  bool unmatched = false;
+  for (MPI_Request& request : pending.requests) {
+    if (!pending.cancellable || request == MPI_REQUEST_NULL) continue;
+    int arrived = 0;  // then MPI frees the request
+    MPI_Test(&request, &arrived, MPI_STATUS_IGNORE);
+    if (arrived) continue;
+    MPI_Cancel(&request);
+    unmatched = true;
+  }
   t.orphans.push_back(std::move(pending));
   reap(t);
+  return unmatched;
+}
+
+// After `operation` was orphaned as a receive that had no message yet.
+void diverge_unmatched(std::string_view operation) {
+  diverge(std::string(operation) +
+          " was cancelled before its message came: a message sent for it would go to a "
+          "later receive");
 }
 
 ffi::Error nothing_pending(std::string_view what) {
@@ -215,15 +234,23 @@ CheckInterrupts::~CheckInterrupts() { interrupt_check = previous_; }
 void abandon(MPI_Request* request) {
   if (*request == MPI_REQUEST_NULL) return;
   MPI_Cancel(request);
-  MPI_Wait(request, MPI_STATUS_IGNORE);
+  MPI_Status status;
+  MPI_Wait(request, &status);
+  int cancelled = 0;
+  MPI_Test_cancelled(&status, &cancelled);
+  if (cancelled) diverge_unmatched(current_operation());
 }
 
 ffi::Error post(const void* key, Pending pending) {
   pending.compiled = interrupt_check == nullptr;
+  pending.run = executing;
   Table& t = table();
   std::lock_guard lock(t.mutex);
   auto [at, inserted] = t.pending.try_emplace(key, std::move(pending));
-  if (!inserted) orphan(t, std::exchange(at->second, std::move(pending)));
+  if (!inserted) {
+    const std::string_view earlier = at->second.operation;
+    if (orphan(t, std::exchange(at->second, std::move(pending)))) diverge_unmatched(earlier);
+  }
   if (!t.orphans.empty()) reap(t);
   return ffi::Error::Success();
 }
@@ -231,7 +258,8 @@ ffi::Error post(const void* key, Pending pending) {
 void orphan(Pending pending) {
   Table& t = table();
   std::lock_guard lock(t.mutex);
-  orphan(t, std::move(pending));
+  const std::string_view operation = pending.operation;
+  if (orphan(t, std::move(pending))) diverge_unmatched(operation);
 }
 
 void discard(const void* key) {
@@ -243,15 +271,19 @@ void discard(const void* key) {
   t.pending.erase(at);
 }
 
-void abandon_compiled() {
+Executing::Executing(int64_t run) : outer_(executing) { executing = run; }
+Executing::~Executing() { executing = outer_; }
+
+void abandon_compiled(int64_t run) {
   Table& t = table();
   std::lock_guard lock(t.mutex);
   for (auto at = t.pending.begin(); at != t.pending.end();) {
-    if (!at->second.compiled) {
+    if (!at->second.compiled || at->second.run != run) {
       ++at;
       continue;
     }
-    orphan(t, std::move(at->second));
+    const std::string_view operation = at->second.operation;
+    if (orphan(t, std::move(at->second))) diverge_unmatched(operation);
     at = t.pending.erase(at);
   }
 }
@@ -312,7 +344,9 @@ ffi::Error complete(const void* key, void* out, int32_t* status) {
     }
     if (code != MPI_SUCCESS && pending.explain)
       if (auto err = pending.explain(call, statuses); err.failure()) return err;
-    JAXCOMM_CHECK_MPI(code, name, call.comm());
+    // Every request has completed: a message longer than its buffer came whole.
+    if (auto err = check_received(code, name, call.comm(), /*whole=*/true); err.failure())
+      return err;
   }
   if (pending.finish)
     if (auto err = pending.finish(call, statuses, status); err.failure()) return err;

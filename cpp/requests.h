@@ -62,8 +62,10 @@ class CheckInterrupts {
   bool (*previous_)();
 };
 
-// Cancels a request and waits until it is cancelled or complete: until then MPI
-// may still use its buffer. A completed (null) request is left as it is.
+// Cancels a receive's request and waits until it is cancelled or complete: until
+// then MPI may still use its buffer. A completed (null) request is left as it is.
+// A receive cancelled before its message came puts this rank out of step
+// (lockstep.h): a message sent for it would go to a later receive.
 void abandon(MPI_Request* request);
 
 // Memory of `bytes` bytes that jaxcomm owns, for the messages of a pending
@@ -99,6 +101,7 @@ struct Pending {
   // MPI cannot cancel a collective.)
   bool cancellable = false;
   bool compiled = false;  // posted inside XLA (not by an eager call): set by post()
+  int64_t run = 0;        // then the XLA execution that posted it (Executing)
   // The memory MPI reads and writes until the requests complete.
   std::vector<MessageBuffer> buffers;
   // Where, among `buffers`, the result is: copied to the wait's output.
@@ -128,7 +131,10 @@ struct Pending {
 // (the computation that posted it failed before its wait): it becomes an orphan.
 ffi::Error post(const void* key, Pending pending);
 
-// `pending` will never be waited: it becomes an orphan (a receive is cancelled).
+// `pending` will never be waited: it becomes an orphan. A receive is cancelled,
+// so that it takes no later message; one that had no message yet puts this rank
+// out of step (lockstep.h), since a message sent to it would go to a later
+// receive (a dropped request, `discard`, is the program's own choice and does not).
 void orphan(Pending pending);
 
 // Drops the requests recorded under `key`, if any, without waiting: they become
@@ -144,14 +150,26 @@ ffi::Error test(const void* key, bool* done);
 // if not null. Interrupted, the requests become orphans.
 ffi::Error complete(const void* key, void* out, int32_t* status);
 
-// A handler inside XLA failed: its computation ends before the waits of the
-// requests it posted, which become orphans, so that a receive left posted takes
-// no later message. (jaxcomm's ordered effect runs one computation's operations
-// at a time, and a request never outlives the computation that posted it.)
-void abandon_compiled();
+// While it lives, the requests that this thread posts belong to XLA execution
+// `run` (its RunId): set by the wrapper of a compiled handler.
+class Executing {
+ public:
+  explicit Executing(int64_t run);
+  ~Executing();
+  Executing(const Executing&) = delete;
+  Executing& operator=(const Executing&) = delete;
+
+ private:
+  int64_t outer_;
+};
+
+// A handler of XLA execution `run` failed: the execution ends before the waits of
+// the requests it posted, which become orphans (a request never outlives the
+// execution that posted it; other executions' requests are left alone).
+void abandon_compiled(int64_t run);
 
 // Orphans that MPI has not completed by now (each is cancelled where MPI can, and
-// tested once more). They keep their buffers: at exit, MPI_Finalize may still
+// tested once more), at exit. They keep their buffers: at exit, MPI_Finalize may still
 // complete them.
 int unfinished_orphans();
 

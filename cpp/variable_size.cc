@@ -38,6 +38,7 @@
 #include "counts.h"
 #include "datatypes.h"
 #include "jaxcomm/jaxcomm.h"
+#include "lockstep.h"
 #include "memory.h"
 #include "pairing.h"
 #include "requests.h"
@@ -406,12 +407,12 @@ class Rows {
     JAXCOMM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &any, 1, MPI_INT, MPI_MAX, comm_),
                       call_.operation(), comm_);
     if (!any) return ffi::Error::Success();
-    return ffi::Error(
+    return on_every_rank(ffi::Error(
         ffi::ErrorCode::kFailedPrecondition,
         "jaxcomm check: " + std::string(call_.operation()) + " on rank " +
             std::to_string(comm_rank(comm_)) +
             (differ ? ": " + given + " but the ranks send " + counts_text(sent)
-                    : ": another rank's " + std::string(name) + " differ from what is sent"));
+                    : ": another rank's " + std::string(name) + " differ from what is sent")));
   }
 
   ffi::Error refuse(const std::string& why) const {
@@ -663,12 +664,13 @@ class Transfer {
   // Ends the call after MPI's function returned `code`: `counts` go to
   // counts_out; the rows are placed now, or by the wait, which reports `error`
   // (a start's own failure is only MPI's). With `defer` no error of its own.
+  // `error` comes after the exchange: it is paired (lockstep.h).
   ffi::Error end(int code, Result& counts_out, const Counts& counts, ffi::Error error, bool defer) {
     JAXCOMM_CHECK_MPI(code, pending_.operation, rows_.comm());
     write_counts(counts_out, counts);
     if (!posting()) {
       place(rows_.result(), into, arriving_, rows_.capacity(), rows_.row_bytes());
-      return defer ? ffi::Error::Success() : std::move(error);
+      return defer ? ffi::Error::Success() : paired(std::move(error));
     }
     pending_.finish = [result = result_, into = into, direct = direct_, capacity = rows_.capacity(),
                        row_bytes = rows_.row_bytes(), members = arriving_.members(),
@@ -679,7 +681,7 @@ class Transfer {
                        defer](Call&, const MPI_Status*, int32_t*) mutable {
       if (!direct)
         place(result, into, Counts(std::move(values), members, per_member), capacity, row_bytes);
-      return defer ? ffi::Error::Success() : std::move(error);
+      return defer ? ffi::Error::Success() : paired(std::move(error));
     };
     return post((*request_)->untyped_data(), std::move(pending_));
   }
@@ -894,7 +896,8 @@ ffi::Error gather_rows(Call& call, bool neighbors, const Buffer& x, const Buffer
   });
   // Off the root the counts output holds this rank's own count (received).
   auto error = rows.outcome(own, pads(own, counting), arriving);
-  if (error.success() && !everyone_fails.empty()) error = rows.refuse(everyone_fails);
+  if (!everyone_fails.empty())  // then every rank fails: with its own error, or this one
+    error = on_every_rank(error.success() ? rows.refuse(everyone_fails) : std::move(error));
   return t.end(code, counts_out, received, std::move(error), defer);
 }
 

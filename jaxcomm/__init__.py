@@ -25,7 +25,7 @@ import jax
 from jax.experimental import io_callback
 from mpi4py import MPI
 
-from jaxcomm import _jax_internals, _native, _requests
+from jaxcomm import _lockstep, _native, _requests
 from jaxcomm._datatypes import DTYPES, ReduceOp
 from jaxcomm._jit import jit
 from jaxcomm._kernels import build_flags, register_kernel
@@ -57,15 +57,19 @@ __all__ = [  # and every module-level operation, added below
     "has_cuda_support",
     "has_sycl_support",
     "jit",
-    "recover",
     "register_kernel",
 ]
 
-# Before mpi4py's own exit hook (registered earlier, so run later) finalises MPI:
-# finish pending jaxcomm operations (otherwise a rank can hang at exit), then drop
-# the requests that were never waited (atexit runs the last registered first).
+# Before mpi4py's own exit hook (registered earlier, so run later) finalises MPI
+# (atexit runs the last registered first): end the job if this rank is out of
+# step, whose peers may wait for it forever (jaxcomm._lockstep); else finish
+# pending jaxcomm operations (otherwise a rank can hang at exit), drop the
+# requests that were never waited, and end the job if one of those computations
+# has put the rank out of step.
+atexit.register(_lockstep.abort_if_out_of_step)
 atexit.register(_requests.drop_at_exit)
 atexit.register(jax.effects_barrier)
+atexit.register(_lockstep.abort_if_out_of_step)
 
 
 def _free_duplicate(base: MPI.Comm, keyval: int, wrapped: JaxComm) -> None:
@@ -181,20 +185,6 @@ def abort_on_error(comm: MPI.Comm | JaxComm | None = None, exit_code: int = 1) -
         target.Abort(exit_code)
 
     sys.excepthook = hook
-
-
-def recover() -> None:
-    """Let this thread go on after catching a run-time error of a jaxcomm
-    operation (a capacity overflow, invalid counts, a checking-mode mismatch).
-
-    Waits for this thread's pending computations with an effect. One that failed
-    after its call returned (XLA runs GPU computations, and CPU ones with enough
-    work, asynchronously) leaves its error on JAX's token, and JAX raises it again
-    at a later call instead of running that call, while the other ranks wait in
-    it. recover() forgets such tokens; the error stays on the failed call's
-    outputs. It raises nothing.
-    """
-    _jax_internals.forget_failed_calls()
 
 
 def has_cuda_support() -> bool:

@@ -79,7 +79,7 @@ def reduce_op(operation: str, name: str, value: Any, size: int) -> Any:
 
 def capacity(operation: str, name: str, value: Any, size: int) -> int:
     """A number of rows fixed at trace time (the leading axis of a result)."""
-    rows = _static_int(operation, name, value)
+    rows = value if type(value) is int else _static_int(operation, name, value)
     if rows < 0:
         raise ValueError(f"{operation}: {name}={rows} must be at least 0")
     return rows
@@ -196,6 +196,19 @@ def arrays(operation: str, leaves: list[Any], op: ReduceOp | None = None) -> lis
             f"({', '.join(sorted(kinds))}); put them on one with jax.device_put"
         )
     return leaves
+
+
+def rows(operation: str, x: Any) -> jax.Array:
+    """x, the rows of a variable-size exchange (one array with a leading axis), as
+    an array of a dtype jaxcomm can move."""
+    if type(x) is ArrayImpl and x.shape and x.dtype in _SUPPORTED:  # as checked below
+        return x
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, list)):
+        raise TypeError(f"{operation}: x must be one array of rows, not a {type(x).__name__}")
+    (x,) = arrays(operation, [x])
+    if x.ndim == 0:
+        raise ValueError(f"{operation}: x must have a leading axis of rows, got shape ()")
+    return x
 
 
 def receive_templates(sendbuf: Any, recvbuf: Any) -> tuple[Any, Any]:

@@ -87,14 +87,18 @@ def _jitted(primitive, comm, params, fuse, leaves):
 
 
 def apply_to_arrays(
-    primitive: CommPrimitive, arrays: Sequence[jax.Array], comm: CommInfo, params: dict[str, Any]
+    primitive: CommPrimitive,
+    arrays: Sequence[jax.Array],
+    comm: CommInfo,
+    params: dict[str, Any],
+    key: tuple | None = None,
 ) -> list[Any]:
     """`primitive` on its operands as they are (an operation on several arrays, not
     a pytree): eagerly where it can be, else bound. NumPy operands (counts) are
-    read where they are."""
+    read where they are. An eager call is remembered under `key`
+    (_eager.rows_key), for a later call that repeats it."""
     if _eager.can_run([a for a in arrays if not isinstance(a, np.ndarray)]):
-        outputs = _eager.call(primitive, arrays, comm, tuple(params.items()))
-        return [_eager.as_array(output, arrays[0]) for output in outputs]
+        return _eager.run_arrays(primitive, arrays, comm, tuple(params.items()), key)
     return primitive.bind(*arrays, comm=comm, **params)
 
 

@@ -19,7 +19,10 @@ The interface, for blocking calls and posts alike:
 - `call(primitive, arrays, ...)`: one message, its results as NumPy arrays (a
   non-blocking start, which MPI writes until the wait; barrier);
 - `repeat(primitive, leaves, tree, ...)`: a call like one that `run` (or `call`
-  with `remember`) made after the method's checks passed, without those checks.
+  with `remember`) made after the method's checks passed, without those checks;
+- `run_arrays` and `repeat_rows`: the same for an operation on x and count
+  operands (the variable-size exchanges), whose counts' values may change
+  between repeats (`rows_key`).
 
 Everything fixed by a call's signature is prepared once, as a C++ EagerCall (or
 a MapCall of them), in one bounded cache.
@@ -30,7 +33,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -77,12 +80,16 @@ def _fail(code: str, message: str) -> None:
 
 def _prepare(primitive: Any, in_types, comm, params: Params, where, wrapped) -> cpu.EagerCall:
     """primitive's call on arrays of `in_types` on device `where`, its first
-    `wrapped` results jax.Arrays there, the rest NumPy arrays."""
+    `wrapped` results jax.Arrays there (None: all), the rest NumPy arrays."""
     templates = len(in_types) - primitive.inputs  # a receive's template: not passed
     avals = [core.ShapedArray(shape, dtype) for shape, dtype in in_types]
     values = dict(params)
     outputs = [
-        (_allocator(aval), _CODES[aval.dtype], host_arrays(aval, where) if i < wrapped else None)
+        (
+            _allocator(aval),
+            _CODES[aval.dtype],
+            host_arrays(aval, where) if wrapped is None or i < wrapped else None,
+        )
         for i, aval in enumerate(primitive.result_types(*avals, comm=comm, **values))
     ]
     own = (v if isinstance(v, str) else int(v) for v in map(values.get, primitive.attrs))
@@ -179,19 +186,30 @@ class MapCall:
         """Each array's result (None where the primitive has none), and the other
         results of the last message (a receive's status), as NumPy arrays:
         wrapping those as jax.Arrays costs as much as the rest of a small call,
-        and most callers discard them."""
+        and most callers discard them.
+
+        A message that fails does not stop the others, which the peers send and
+        receive all the same: the first error is raised after the last message
+        (jaxcomm._lockstep)."""
         results: list[Any] = [None] * len(arrays)
         rest: Sequence[np.ndarray] = ()
+        error = None
         for message, prepared, wraps in self._steps:
-            if wraps is None:
-                i = message.members[0]
-                outputs = prepared(arrays[i])
-                if outputs:
-                    results[i], rest = outputs[0], outputs[1:]
+            try:
+                if wraps is None:
+                    i = message.members[0]
+                    outputs = prepared(arrays[i])
+                    if outputs:
+                        results[i], rest = outputs[0], outputs[1:]
+                    continue
+                pieces = message.unpack(prepared(message.pack(arrays, np))[0])
+            except jax.errors.JaxRuntimeError as failed:
+                error = error or failed
                 continue
-            pieces = message.unpack(prepared(message.pack(arrays, np))[0])
             for i, wrap, piece in zip(message.members, wraps, pieces, strict=True):
                 results[i] = wrap(piece)
+        if error is not None:
+            raise error
         return results, rest
 
 
@@ -260,6 +278,75 @@ def call(primitive, arrays: Sequence[Any], comm, params: Params, remember=False)
     prepared = _prepared(primitive, in_types, comm, params, None, 0)  # NumPy: no device
     if remember:
         _prepared_calls.put(_repeat_key(primitive, arrays, ONE_ARRAY, comm, params), prepared)
+    return prepared(*arrays)
+
+
+# The variable-size exchanges (alltoallv, allgatherv, ...) take x and count
+# operands, each passed as it is: their shortcut. A call that repeats an earlier
+# one in x's shape, dtype and placement, the communicator, the (checked) params
+# and the kind of each count operand, but not the counts' values, takes the
+# earlier call's EagerCall without the checks of those kinds; the counts' values
+# are validated in C++ on every call (cpp/counts.h), as on every path.
+_INT64 = range(-(2**63), 2**63)
+
+
+def rows_key(primitive, x: Any, counts: Iterable[Any], comm, params: dict[str, Any]):
+    """(repeat_rows's key, the count operands it passes) of `primitive` on rows x
+    with count operands `counts` as the caller passed them; (None, None) where
+    they cannot repeat: x not a jax.Array, or a count that the key cannot tell
+    how jaxcomm._checks.counts would pass (a NumPy array not C-contiguous in
+    native byte order, Python ints beyond int64, anything but integer arrays,
+    integers and lists or tuples of Python ints)."""
+    if type(x) is not ArrayImpl or not ENABLED:
+        return None, None
+    key: list[Any] = ["rows", primitive, x.shape, x.dtype, x.sharding, comm, *params.items()]
+    operands = []
+    for count in counts:  # each count's kind, and the array _checks.counts makes of it
+        kind = type(count)
+        if kind is np.ndarray:
+            if not (count.flags.c_contiguous and count.dtype.isnative):
+                return None, None
+            key.append((count.dtype, count.shape))
+        elif kind is ArrayImpl:
+            key.append((count.dtype, count.shape, count.sharding))
+        elif kind is int:
+            if count not in _INT64:
+                return None, None
+            key.append(kind)
+            count = np.array(count, np.int64)
+        elif kind is list or kind is tuple:  # of Python ints: int64
+            if not all(type(c) is int and c in _INT64 for c in count):
+                return None, None
+            key.append((kind, len(count)))
+            count = np.array(count, np.int64)
+        elif isinstance(count, np.integer):
+            key.append(kind)
+            count = np.asarray(count)
+        else:
+            return None, None
+        operands.append(count)
+    return tuple(key), operands
+
+
+def repeat_rows(key: Any, x: jax.Array, operands: Sequence[Any]) -> list[jax.Array] | None:
+    """The results now of a variable-size exchange on x and count `operands`
+    that run_arrays made with the same `key` (rows_key) after its checks passed;
+    None if there was none like it, or a trace is active."""
+    prepared = None if key is None else _prepared_calls.get(key)
+    if prepared is None or not at_top_level():
+        return None
+    return prepared(x, *operands)
+
+
+def run_arrays(primitive, arrays: Sequence[Any], comm, params: Params, key: Any = None) -> list:
+    """primitive's results on `arrays`, its operands as they are (jax.Arrays on one
+    CPU device, the first among them, and NumPy arrays: can_run), each a
+    jax.Array on the first's device. A later call with the same `key`
+    (rows_key) may `repeat_rows` it."""
+    in_types = tuple((a.shape, a.dtype) for a in arrays)
+    prepared = _prepared(primitive, in_types, comm, params, device(arrays[0].sharding), None)
+    if key is not None:
+        _prepared_calls.put(key, prepared)
     return prepared(*arrays)
 
 

@@ -26,6 +26,8 @@ from jax._src.lib import xla_client
 from jax._src.lib.mlir.dialects import hlo
 from jax.extend.core import ClosedJaxpr
 
+from jaxcomm import _lockstep
+
 __all__ = [
     "COMM_EFFECT",
     "ArrayImpl",
@@ -35,7 +37,6 @@ __all__ = [
     "chain_marker",
     "continue_chain",
     "current_trace",
-    "forget_failed_calls",
     "host_arrays",
     "in_shard_map",
     "lower_identity",
@@ -43,6 +44,7 @@ __all__ = [
     "lowering_mesh",
     "manual_axes",
     "ordered_call",
+    "register_lowering",
     "restart_chain",
     "taking_part",
     "typed",
@@ -183,20 +185,33 @@ def _on(device: Any) -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(device)
 
 
+def register_lowering(primitive: core.Primitive, rule: Callable, platform: str | None = None):
+    """mlir.register_lowering for a primitive that emits jaxcomm custom calls.
+    Its lowering is never cached: JAX would emit a cached lowering once and
+    copy it to each place it is used, and each custom call must carry its own
+    place's attribute ``last`` (jaxcomm._lockstep)."""
+    mlir.register_lowering(primitive, rule, platform=platform, cacheable=False)
+
+
 def lower_with_token(
     target: str,
     *,
     aliases: dict[int, int] | None = None,
     templates: int = 0,
+    marked: bool = True,
+    awaited: bool = True,
 ) -> Callable[..., Sequence[Any]]:
     """A lowering rule that calls FFI `target` as (token, *operands) -> (token, *results).
 
     `aliases` maps operand index to result index (both without the token) for
     outputs that may reuse an input buffer. The first `templates` operands are
-    not passed (they gave only the results' types).
+    not passed (they gave only the results' types). `marked`: the target takes
+    the attribute ``last``, as jaxcomm's own handlers do; `awaited`: a peer may
+    wait for the call (both as jaxcomm._lockstep.emitted says).
     """
     shifted = None if not aliases else {i + 1: o + 1 for i, o in aliases.items()}
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True, operand_output_aliases=shifted)
+    last = {_lockstep.LAST: np.bool_(True)} if marked else {}
 
     def lowering(ctx: mlir.LoweringRuleContext, *operands: Any, **attrs: Any) -> Sequence[Any]:
         if (refusal := _placement_refusal(ctx)) is not None:
@@ -206,7 +221,8 @@ def lower_with_token(
             avals_in=[core.abstract_token, *ctx.avals_in[templates:]],
             avals_out=[core.abstract_token, *ctx.avals_out],
         )
-        token_out, *results = rule(inner, token, *operands[templates:], **attrs)
+        token_out, *results = rule(inner, token, *operands[templates:], **attrs, **last)
+        _lockstep.emitted(ctx, token_out.owner, marked=marked, awaited=awaited)
         ctx.set_tokens_out(mlir.TokenSet({COMM_EFFECT: token_out}))
         return results
 
@@ -330,7 +346,7 @@ def _ordered_call_lowering(ctx: mlir.LoweringRuleContext, marker: Any, *args: An
 _ordered_call_p = core.Primitive("jaxcomm_ordered_call")
 _ordered_call_p.multiple_results = True
 _ordered_call_p.def_effectful_abstract_eval(_ordered_call_abstract_eval)
-mlir.register_lowering(_ordered_call_p, _ordered_call_lowering)
+register_lowering(_ordered_call_p, _ordered_call_lowering)
 
 
 def ordered_call(fun: Callable[..., Any], marker: Any, args: Sequence[Any]) -> tuple[Any, Any]:
@@ -387,33 +403,6 @@ def continue_chain(marker: jax.Array) -> None:
     """Make `marker`, the last ordered call's, what the next call with COMM_EFFECT
     waits for: JAX's Python dispatch and jax.effects_barrier wait for it."""
     _chain.token._buf = marker
-
-
-def forget_failed_calls() -> None:
-    """Wait for this thread's last computations with an effect; forget the tokens
-    of those that failed.
-
-    A failed computation's error is on every output, its tokens included, and
-    JAX makes the next computation with the effect wait for that token: JAX up to
-    0.11 raises the old error at every later call, 0.12 at the next one (which
-    then does not run). The failed computation has finished, so forgetting its
-    token loses no ordering: the next call starts a fresh chain.
-    """
-    tokens = dispatch.runtime_tokens
-    for effect, token in list(tokens.current_tokens.items()):
-        if _failed(token):
-            del tokens.current_tokens[effect]
-    for device, token in list(tokens.output_runtime_tokens.items()):
-        if _failed(token):
-            del tokens.output_runtime_tokens[device]
-
-
-def _failed(token: Any) -> bool:
-    try:
-        token.block_until_ready()
-    except jax.errors.JaxRuntimeError:
-        return True
-    return False
 
 
 # ---------------------------------------------------------------------------

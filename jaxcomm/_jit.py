@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 
+from jaxcomm import _lockstep
 from jaxcomm._jax_internals import (
     at_top_level,
     chain_marker,
@@ -57,19 +58,24 @@ def jit(fun: Callable[..., Any] | None = None, **options: Any) -> Callable[..., 
     shifted = {name: _after_marker(options[name]) for name in _BY_POSITION if name in options}
     dispatched = _jax_jit(_with_marker(fun), **{**options, **shifted})
 
+    name = getattr(fun, "__name__", "function")
+
     @functools.wraps(fun)
     def call(*args: Any, **kwargs: Any) -> Any:
         if not at_top_level():
             return plain(*args, **kwargs)
-        marker = chain_marker()
+        if (refused := _lockstep.refusal(name)) is not None:
+            raise jax.errors.JaxRuntimeError(refused)
+        marker = _waited(chain_marker, name)
         try:
             marker, results = dispatched(marker, *args, **kwargs)
         except ValueError as err:
-            if "incompatible devices" not in str(err):
+            if "incompatible devices" not in str(err) and len(marker.sharding.device_set) == 1:
                 raise
-            # The arguments live on another device than the last call's marker:
-            # wait for that call, then start from a marker that can go anywhere.
-            marker, results = dispatched(restart_chain(), *args, **kwargs)
+            # The arguments live on other devices than the last call's marker
+            # (a call on several devices made it): wait for that call, then start
+            # from a marker that can go anywhere.
+            marker, results = dispatched(_waited(restart_chain, name), *args, **kwargs)
         continue_chain(marker)
         return results
 
@@ -77,6 +83,16 @@ def jit(fun: Callable[..., Any] | None = None, **options: Any) -> Callable[..., 
     # Ahead-of-time inspection (HLO, shapes) of fun as jax.jit compiles it.
     call.lower, call.trace, call.eval_shape = plain.lower, plain.trace, plain.eval_shape
     return call
+
+
+def _waited(marker: Callable[[], jax.Array], name: str) -> jax.Array:
+    """`marker()`, which waits for an earlier computation; if that one failed,
+    JAX raises its error and the call `name` does not run (jaxcomm._lockstep)."""
+    try:
+        return marker()
+    except jax.errors.JaxRuntimeError as err:
+        _lockstep.refused(name, err)
+        raise
 
 
 def _after_marker(numbers: int | Sequence[int] | None) -> tuple[int, ...] | None:
@@ -92,9 +108,12 @@ def _with_marker(fun: Callable[..., Any]) -> Callable[..., Any]:
     values."""
 
     def with_marker(marker: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(marker, jax.core.Tracer):  # under jax.disable_jit(): fun as it is
+            return marker, fun(*args, **kwargs)
         leaves, tree = jax.tree.flatten((args, kwargs))
         traced = [isinstance(leaf, jax.core.Tracer) for leaf in leaves]
 
+        @functools.wraps(fun)  # JAX's errors name fun
         def on_traced(*values: Any) -> Any:
             given = iter(values)
             merged = [next(given) if t else leaf for leaf, t in zip(leaves, traced, strict=True)]

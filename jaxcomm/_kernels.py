@@ -19,10 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import core
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
 
 from jaxcomm import _sharded
-from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_with_token
+from jaxcomm._jax_internals import (
+    COMM_EFFECT,
+    apply_primitive,
+    lower_with_token,
+    register_lowering,
+)
 from jaxcomm._primitive import CommInfo
 from jaxcomm._rules import define_rules, move_batch
 
@@ -44,12 +48,26 @@ def _abstract_eval(*avals, results, comm, target, **_):
     return _sharded.type_results(shaped, avals, comm, target, "varying"), {COMM_EFFECT}
 
 
+# Runs before each kernel: the kernel does not run while this rank is out of step
+# (jaxcomm._lockstep), when it could pair with the wrong call of a peer.
+_in_step = lower_with_token("jaxcomm_in_step", marked=False, awaited=False)
+
+
 def _lowering(ctx, *operands, target, comm: CommInfo, results, aliases, attrs, vmap_method):
-    rule = lower_with_token(target, aliases=dict(aliases) or None)
+    guard = ctx.replace(avals_in=[], avals_out=[])
+    _in_step(guard, kernel=target)
+    # A user's handler takes no attribute `last`, and a failure of it is not seen
+    # by jaxcomm (docs/troubleshooting.md, "After an error on one rank").
+    rule = lower_with_token(
+        target, aliases=dict(aliases) or None, marked=False, awaited=comm.size > 1
+    )
     ffi_attrs = {"comm": np.int64(comm.handle), "rank": np.int32(comm.rank)}
     ffi_attrs["size"] = np.int32(comm.size)
     ffi_attrs.update(attrs)
-    return rule(ctx, *operands, **ffi_attrs)
+    kernel = ctx.replace(tokens_in=guard.tokens_out)
+    outputs = rule(kernel, *operands, **ffi_attrs)
+    ctx.set_tokens_out(kernel.tokens_out)
+    return outputs
 
 
 def _batch(args, dims, *, results, vmap_method, **params):
@@ -80,7 +98,7 @@ def kernel_primitive(target: str) -> Primitive:
         primitive.multiple_results = True
         primitive.def_impl(partial(apply_primitive, primitive))
         primitive.def_effectful_abstract_eval(_abstract_eval)
-        mlir.register_lowering(primitive, _lowering)
+        register_lowering(primitive, _lowering)
         define_rules(primitive, batch=_batch)
         _primitives[target] = primitive
     return _primitives[target]

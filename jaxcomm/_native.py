@@ -61,7 +61,7 @@ def _load():
     return cpu
 
 
-def _load_cuda():
+def _load_cuda(cpu):
     """The CUDA handlers, when this build has them (an optional module)."""
     try:
         from jaxcomm import _jaxcomm_cuda as cuda
@@ -70,13 +70,14 @@ def _load_cuda():
     cuda.configure(
         debug=_settings.DEBUG, timeout=_settings.TIMEOUT, cuda_aware=_settings.CUDA_AWARE
     )
+    cuda.share_lockstep(cpu.lockstep_state())  # one rank, one state: in step or not
     for name, capsule in cuda.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     return cuda
 
 
 cpu = _load()
-cuda = _load_cuda()
+cuda = _load_cuda(cpu)
 _modules = (cpu,) if cuda is None else (cpu, cuda)
 _keys = itertools.count(1)
 

@@ -53,6 +53,7 @@ from jaxcomm._jax_internals import (
     apply_primitive,
     lower_with_token,
     manual_axes,
+    register_lowering,
     typed,
     varying,
 )
@@ -233,7 +234,7 @@ wait_p.def_effectful_abstract_eval(
 def _wait_lowering(ctx, *operands, operation, comm, params):
     kind = OPERATIONS[operation].kind
     aliases = {1 + kind.input: 0} if kind.result else None  # pending, after request and keep
-    return lower_with_token("jaxcomm_wait", aliases=aliases)(ctx, *operands)
+    return lower_with_token("jaxcomm_wait", aliases=aliases, awaited=False)(ctx, *operands)
 
 
 # -- polling ---------------------------------------------------------------------------
@@ -244,7 +245,7 @@ _DONE = core.ShapedArray((), np.bool_)
 test_p.def_effectful_abstract_eval(
     lambda request: (typed(_DONE, varying(request)) if manual_axes() else _DONE, {COMM_EFFECT})
 )
-mlir.register_lowering(test_p, lower_with_token("jaxcomm_test"), platform="cpu")
+register_lowering(test_p, lower_with_token("jaxcomm_test", awaited=False), platform="cpu")
 
 
 def test_now(request) -> bool:
@@ -277,7 +278,7 @@ def _host_only(ctx, *args, **params):
     )
 
 
-mlir.register_lowering(wait_p, _wait_lowering, platform="cpu")
+register_lowering(wait_p, _wait_lowering, platform="cpu")
 for _platform in PLATFORMS:
     if _platform != "cpu":
         mlir.register_lowering(wait_p, _host_only, platform=_platform)

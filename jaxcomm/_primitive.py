@@ -29,6 +29,7 @@ from jaxcomm._jax_internals import (
     apply_primitive,
     lower_with_token,
     lowering_mesh,
+    register_lowering,
     taking_part,
 )
 from jaxcomm._native import PLATFORMS, cpu
@@ -231,7 +232,9 @@ def comm_primitive(
             and lowering_mesh(ctx) is None
         )
         alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases and not is_x else None
-        rule = lower_with_token(f"jaxcomm_{name}", aliases=alias, templates=templates)
+        rule = lower_with_token(
+            f"jaxcomm_{name}", aliases=alias, templates=templates, awaited=comm.size > 1
+        )
         if not is_x:
             return rule(ctx, *operands, **ffi_attrs)
         # The host function sees an empty result and leaves it be (cpp/memory.h).
@@ -242,5 +245,5 @@ def comm_primitive(
         return [operands[0], *results[1:]]
 
     for platform in PLATFORMS:  # the same FFI target name on every platform
-        mlir.register_lowering(primitive, lowering, platform=platform)
+        register_lowering(primitive, lowering, platform=platform)
     return primitive

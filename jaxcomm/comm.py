@@ -208,14 +208,17 @@ class JaxComm:
         """A new communicator of the same type and group (collective)."""
         return type(self)(self)
 
-    def split(self: Self, color: int, key: int = 0) -> Self | None:
-        """Like MPI_Comm_split; None on ranks that pass color=MPI.UNDEFINED."""
+    def split(self, color: int, key: int = 0) -> JaxComm | None:
+        """Like MPI_Comm_split; None on ranks that pass color=MPI.UNDEFINED.
+
+        The parts have no topology: split on a grid or graph gives communicators
+        of the class without its methods (a subclass of JaxComm keeps its own)."""
         jax.effects_barrier()  # see __init__
         part = self._mpi.Split(color, key)
         if part == MPI.COMM_NULL:
             return None
         try:
-            return type(self)(part, check=self.check)
+            return getattr(type(self), "_plain", type(self))(part, check=self.check)
         finally:
             part.Free()
 
@@ -378,11 +381,21 @@ class JaxComm:
 
     def _variable_size(self, x: Any, rows: _Rows) -> tuple[jax.Array, jax.Array]:
         """A variable-size exchange of x's `rows` (jaxcomm._variable_size): all
-        checked (_rows_operands), then run."""
+        checked (_rows_operands), then run. An eager call that repeats an earlier
+        one in all but the values of its counts skips the checks of its count
+        operands' types (jaxcomm._eager.repeat_rows); C++ validates their values
+        on every call (cpp/counts.h), and x's and the params' checks always run."""
         # Only the JVP rules defer an error (_variable_size).
         params = {**rows.params, "defer": False}
-        operands = self._rows_operands(rows.primitive.operation, x, rows.counts, params, rows.peers)
-        y, received = _dispatch.apply_to_arrays(rows.primitive, operands, self._comm, params)
+        operation, comm = rows.primitive.operation, self._comm
+        x = _checks.rows(operation, x)
+        self._rows_params(operation, x, rows.counts, params)
+        key, given = _eager.rows_key(rows.primitive, x, rows.counts.values(), comm, params)
+        done = _eager.repeat_rows(key, x, given)
+        if done is not None:  # an earlier call like this one passed the checks below
+            return done
+        operands = [x, *self._rows_counts(operation, rows.counts, rows.peers)]
+        y, received = _dispatch.apply_to_arrays(rows.primitive, operands, comm, params, key)
         return y, received
 
     def _rows_operands(
@@ -397,12 +410,16 @@ class JaxComm:
         `params` checked in place. `peers`: how many counts each operand holds and
         of whom (a neighbour exchange's: destinations, sources), if not one per
         rank ("count" is one integer)."""
+        x = _checks.rows(operation, x)
+        self._rows_params(operation, x, counts, params)
+        return [x, *self._rows_counts(operation, counts, peers)]
+
+    def _rows_params(
+        self, operation: str, x: jax.Array, counts: dict[str, Any], params: dict[str, Any]
+    ) -> None:
+        """A variable-size exchange's `params`, and which count operands it passes
+        where the caller left them to jaxcomm, checked in place."""
         comm = self._comm
-        if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, list)):
-            raise TypeError(f"{operation}: x must be one array of rows, not a {type(x).__name__}")
-        (x,) = _checks.arrays(operation, [x])
-        if x.ndim == 0:
-            raise ValueError(f"{operation}: x must have a leading axis of rows, got shape ()")
         if "count" in counts and counts["count"] is None:  # default: all of x's rows
             counts["count"] = np.int32(x.shape[0])
         params["capacity"] = _checks.capacity(operation, "capacity", params["capacity"], 0)
@@ -414,15 +431,19 @@ class JaxComm:
                     f"{operation}: the root (rank {params['root']}) must pass counts, not None"
                 )
             counts["counts"] = _no_counts(comm.size)
+
+    def _rows_counts(
+        self, operation: str, counts: dict[str, Any], peers: dict[str, tuple[int, str]] | None
+    ) -> list[Any]:
+        """A variable-size exchange's count operands, their types checked
+        (jaxcomm._checks.counts; C++ validates their values)."""
         # "count" is one integer; the others one per rank, or as `peers` says.
         default = {"count": (None, "")}
-        operands = [
-            _checks.counts(
-                operation, name, value, *(peers or default).get(name, (comm.size, "rank"))
-            )
+        size = self._comm.size
+        return [
+            _checks.counts(operation, name, value, *(peers or default).get(name, (size, "rank")))
             for name, value in counts.items()
         ]
-        return [x, *operands]
 
     def alltoallv(
         self,

@@ -191,6 +191,7 @@ class Cartesian(NeighborExchanges):
     def __init__(self, comm: Any = None, *, check: bool | None = None):
         super().__init__(comm, check=check)  # JaxComm's
         if self.mpi.Get_topology() != MPI.CART:
+            self.free()  # the duplicate just made
             raise TypeError(f"{type(self).__name__}: comm must have a Cartesian topology")
         self._dims = tuple(self.mpi.dims)
         self._periods = tuple(bool(p) for p in self.mpi.periods)
@@ -268,10 +269,12 @@ class Graph(NeighborExchanges):
     mpi: MPI.Distgraphcomm
     check: bool
     _blocks_name = "len(destinations)"
+    _reverse: MPI.Comm = MPI.COMM_NULL  # until made: free() may come first
 
     def __init__(self, comm: Any = None, *, check: bool | None = None):
         super().__init__(comm, check=check)  # JaxComm's
         if self.mpi.Get_topology() != MPI.DIST_GRAPH:
+            self.free()  # the duplicate just made
             raise TypeError(f"{type(self).__name__}: comm must have a distributed-graph topology")
         # As MPI keeps them: with reorder, those of the rank this process became.
         sources, destinations, _ = self.mpi.Get_dist_neighbors()

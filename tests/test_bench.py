@@ -27,7 +27,7 @@ def test_latency_suite_checks_and_records_every_backend(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "latency.jsonl").read_text().splitlines()]
     blocking = {"allreduce", "bcast", "sendrecv", "alltoall", "allgather", "reduce_scatter", "scan"}
     ops = blocking | {"i" + op for op in blocking - {"scan"}}
-    ops |= {"alltoallv", "alltoallv_skew", "neighbor", "halo"}
+    ops |= {"alltoallv", "alltoallv_skew", "allgatherv", "neighbor", "halo"}
     ops |= {"graph_alltoallv", "graph_dense", "graph_sendrecv"}
     backends = {
         "C",
@@ -64,3 +64,18 @@ def test_dispatch_costs(tmp_path):
     lines = (tmp_path / "dispatch-attribution.jsonl").read_text().splitlines()
     timed = {json.loads(line)["function"] for line in lines}
     assert {"total", "RuntimeTokenSet.get_token_input"} <= timed
+
+
+def test_jax_collectives_beside_jaxcomm(tmp_path):
+    """JAX's own collectives (gloo, through shard_map over the processes) and
+    jaxcomm per jitted call, checked against NumPy like every backend."""
+    backends = ["jaxcomm-jit", "jaxcomm-jax.jit", "jaxcomm-jaxcomm.jit", "gloo-jit", "gloo-jax.jit"]
+    ops = ["allreduce", "allgather", "alltoall", "sendrecv", "reduce_scatter"]
+    args = [str(BENCH / "run.py"), "--quick", "--max-bytes", "16", "--reps", "1", "--no-plot"]
+    args += ["--ops", ",".join(ops), "--backends", ",".join(backends), "--out", str(tmp_path)]
+    result = run(2, args, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = [json.loads(line) for line in (tmp_path / "latency.jsonl").read_text().splitlines()]
+    assert {(r["op"], r["backend"]) for r in records} == {(o, b) for o in ops for b in backends}
+    assert all(r["median_us"] > 0 for r in records)
+    assert "jaxcomm-jit / gloo-jit:" in result.stdout

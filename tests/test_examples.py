@@ -71,6 +71,36 @@ def test_custom_op(custom_kernel, nprocs):
         assert out.startswith(f"rank {rank}: allreduce_scaled {scaled}"), out
 
 
+def test_a_custom_kernel_does_not_run_out_of_step(custom_kernel, tmp_path):
+    """While a rank is out of step (after an error, jaxcomm._lockstep), a user's
+    kernel is refused like jaxcomm's own operations, rather than pair with the
+    wrong call of a peer."""
+    program = tmp_path / "refused.py"
+    program.write_text(
+        f"""
+import sys, jax, jax.numpy as jnp
+sys.path.insert(0, {str(EXAMPLES / "custom_op")!r})
+from my_comm import MyComm, load_kernel
+from jaxcomm import _native
+jax.config.update("jax_enable_x64", True)
+load_kernel({str(custom_kernel)!r})
+comm = MyComm()
+print(comm.allreduce_scaled(jnp.ones(2), 2.0).tolist())
+_native.cpu.diverge("a test said so")
+try:
+    comm.allreduce_scaled(jnp.ones(2), 2.0).block_until_ready()
+except jax.errors.JaxRuntimeError as error:
+    print(str(error).splitlines()[0])
+_native.cpu.resume()
+"""
+    )
+    (output,) = rank_outputs(1, str(program))
+    first, second = output.splitlines()
+    assert first == "[2.0, 2.0]"
+    assert "allreduce_scale refused: rank 0 is out of step" in second, second
+    assert "a test said so" in second
+
+
 @pytest.fixture(scope="module")
 def shallow_water_1_rank(tmp_path_factory):
     path = tmp_path_factory.mktemp("water") / "1.npy"

@@ -294,6 +294,66 @@ def test_an_eager_pytree_on_several_devices_sends_the_messages_of_one_device(tmp
         assert output.strip() == "[3.0, 3.0, 3.0] [30.0, 30.0] True True", output
 
 
+def test_a_call_on_two_devices_leaves_the_chain_where_the_next_call_runs(tmp_path):
+    """A jaxcomm.jit call without communication on an array over both devices of a
+    process returns its marker on both: the next call, on one device, starts the
+    chain afresh there instead of being compiled over both."""
+    script = program(
+        tmp_path,
+        """
+        import jax, jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import jaxcomm
+        comm = jaxcomm.JaxComm()
+        mesh = jax.make_mesh((2,), ("d",))
+        spread = jax.device_put(jnp.ones(4), NamedSharding(mesh, P("d")))
+        print(jaxcomm.jit(lambda x: x * 2)(spread).tolist())
+        for _ in range(2):
+            print(jaxcomm.jit(comm.allreduce)(jnp.ones(2)).tolist())
+    """,
+    )
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    for output in rank_outputs(2, script, timeout=TIMEOUT, env=env):
+        lines = output.splitlines()
+        assert lines == ["[2.0, 2.0, 2.0, 2.0]", "[2.0, 2.0]", "[2.0, 2.0]"], output
+
+
+@pytest.mark.parametrize("read", [True, False], ids=["read", "pending at exit"])
+def test_a_rank_out_of_step_ends_the_job_at_exit(tmp_path, read):
+    """Rank 0's step fails after its call has returned (its allreduce does not
+    run there) and the program ends, with the error read, or the step still
+    running, while rank 1 waits in that allreduce. Rank 0 ends the job at exit
+    instead of leaving rank 1 waiting forever."""
+    script = program(
+        tmp_path,
+        f"""
+        import jax, jax.numpy as jnp
+        from jaxcomm import JaxComm
+        comm = JaxComm()
+        capacity = 1 if comm.rank == 0 else 2
+
+        @jax.jit
+        def step(x, m):
+            y, _ = comm.alltoallv(x, [1, 1], capacity=capacity)
+            return comm.allreduce(y.sum()), m @ m @ m
+
+        out = step(jnp.ones((2, 2)), jnp.ones((256, 256)))
+        if {read}:
+            try:
+                jax.block_until_ready(out)
+            except jax.errors.JaxRuntimeError as error:
+                print("rank", comm.rank, "raised:", str(error).splitlines()[0][:60])
+    """,
+    )
+    started = time.monotonic()
+    result = run(2, [script], TIMEOUT)
+    assert result.returncode != 0
+    assert time.monotonic() - started < TIMEOUT / 2
+    assert ("rank 0 raised:" in result.stdout) == read, result.stdout + result.stderr
+    assert "rank 1 raised" not in result.stdout
+    assert "jaxcomm: rank 0 ends the job at exit: it is out of step" in result.stderr
+
+
 @pytest.mark.parametrize(
     ("name", "value", "accepted"),
     [

@@ -16,8 +16,9 @@ HERE = Path(__file__).parent
 
 # Each C++ family's own tests (collectives, p2p, reductions, non-blocking requests,
 # the variable-size and neighbour exchanges, checking mode), and the generated
-# misuse. The other files make the same C++ calls through transformations and
-# Python paths and would double the run under ASan (test_autodiff.py and
+# misuse and failures (test_lockstep.py: what a failed operation leaves). The
+# other files make the same C++ calls through transformations and Python paths
+# and would double the run under ASan (test_autodiff.py and
 # test_vmap.py alone took 11 of 17 minutes on 2 ranks): only the replication check
 # of checking mode (cpp/replicated.cc) is taken from test_autodiff.py.
 FILES = [
@@ -25,6 +26,7 @@ FILES = [
     "test_collectives.py",
     "test_counts.py",
     "test_graph.py",
+    "test_lockstep.py",
     "test_misuse.py",
     "test_neighbor_v.py",
     "test_nonblocking.py",

@@ -132,6 +132,17 @@ def pytest_runtest_protocol(item, nextitem):
         watchdog.disarm()
 
 
+@pytest.fixture(autouse=True)
+def in_step():
+    """Every test leaves its rank in step with its peers (jaxcomm._lockstep): a
+    test that puts it out of step on purpose makes the calls its peers waited
+    for and says so with jaxcomm._native.cpu.resume()."""
+    yield
+    from jaxcomm import _lockstep
+
+    assert _lockstep.out_of_step() is None, f"out of step: {_lockstep.out_of_step()}"
+
+
 @pytest.fixture(scope="session")
 def comm():
     from jaxcomm import JaxComm

@@ -241,3 +241,202 @@ def test_calls_whose_preparation_was_evicted_give_the_right_values(comm, monkeyp
             assert_values(out["a"], np.full(n, sum(range(comm.size)), FLOAT))
             assert_values(out["b"], np.full((n, 2), comm.size, np.int32))
             assert len(_eager._prepared_calls._calls) <= 3
+
+
+# -- the variable-size exchanges ---------------------------------------------------
+
+
+@pytest.fixture
+def counts_checked(monkeypatch):
+    """The count operands that have gone through their checks (the full path of a
+    variable-size exchange; its shortcut skips them), from an empty cache."""
+    monkeypatch.setattr(_eager, "_prepared_calls", _eager._PreparedCalls(64))
+    checked = []
+    counts = _checks.counts
+
+    def counted(operation, name, *args, **kwargs):
+        checked.append((operation, name))
+        return counts(operation, name, *args, **kwargs)
+
+    monkeypatch.setattr(_checks, "counts", counted)
+    return checked
+
+
+def ring(comm):
+    """comm as a directed ring: one source (the rank before), one destination."""
+    return comm.create_dist_graph([(comm.rank - 1) % comm.size], [(comm.rank + 1) % comm.size])
+
+
+def sent(source, dest, seed):
+    """Rows `source` sends `dest` in call `seed`: 0 to 2, changing between calls."""
+    return (source + 2 * dest + seed) % 3
+
+
+def x_of(rank, seed, rows):
+    return rank_data(rank + 7 * seed, (rows, 2))
+
+
+def padded(pieces, capacity):
+    out = np.zeros((capacity, 2), np.float32)
+    got = np.concatenate(pieces)
+    out[: len(got)] = got
+    return out
+
+
+def v_call(name, comm, graph, seed, as_counts):
+    """(the call of exchange `name` in call `seed` on this rank, its expected
+    (y, counts)); as_counts makes this rank's counts what the method takes."""
+    r, size = comm.rank, comm.size
+    left = (r - 1) % size
+    if name == "alltoallv":
+        x = x_of(r, seed, 2 * size)
+        counts = as_counts([sent(r, d, seed) for d in range(size)])
+        pieces = [
+            x_of(s, seed, 2 * size)[sum(sent(s, d, seed) for d in range(r)) :][: sent(s, r, seed)]
+            for s in range(size)
+        ]
+        want = padded(pieces, 2 * size), [sent(s, r, seed) for s in range(size)]
+        return lambda: comm.alltoallv(jnp.asarray(x), counts, capacity=2 * size), want
+    if name in ("allgatherv", "gatherv"):
+        x = x_of(r, seed, 2)
+        pieces = [x_of(s, seed, 2)[: sent(s, 0, seed)] for s in range(size)]
+        want = padded(pieces, 2 * size), [sent(s, 0, seed) for s in range(size)]
+        count = as_counts(sent(r, 0, seed))
+        if name == "allgatherv":
+            return lambda: comm.allgatherv(jnp.asarray(x), capacity=2 * size, count=count), want
+        root = size - 1
+        if r != root:  # rows on the root only; each other rank knows its own count
+            mine = np.zeros(size, np.int32)
+            mine[r] = sent(r, 0, seed)
+            want = np.zeros((0, 2), np.float32), mine
+        return lambda: comm.gatherv(jnp.asarray(x), root, capacity=2 * size, count=count), want
+    if name == "scatterv":
+        x = x_of(0, seed, 2 * size) if r == 0 else np.zeros((0, 2), np.float32)
+        counts = as_counts([sent(d, 0, seed) for d in range(size)]) if r == 0 else None
+        start = sum(sent(d, 0, seed) for d in range(r))
+        want = padded([x_of(0, seed, 2 * size)[start:][: sent(r, 0, seed)]], 2), sent(r, 0, seed)
+        return lambda: comm.scatterv(jnp.asarray(x), counts, 0, capacity=2), want
+    if name == "neighbor_alltoallv":
+        x = x_of(r, seed, 2)
+        counts = as_counts([sent(r, 0, seed)])
+        want = padded([x_of(left, seed, 2)[: sent(left, 0, seed)]], 2), [sent(left, 0, seed)]
+        return lambda: graph.neighbor_alltoallv(jnp.asarray(x), counts, capacity=2), want
+    x = x_of(r, seed, 2)
+    count = as_counts(sent(r, 0, seed))
+    want = padded([x_of(left, seed, 2)[: sent(left, 0, seed)]], 2), [sent(left, 0, seed)]
+    return lambda: graph.neighbor_allgatherv(jnp.asarray(x), capacity=2, count=count), want
+
+
+V_FORMS = [
+    "alltoallv",
+    "allgatherv",
+    "gatherv",
+    "scatterv",
+    "neighbor_alltoallv",
+    "neighbor_allgatherv",
+]
+#: How a caller may pass counts: each a kind the shortcut takes.
+COUNT_KINDS = {
+    "numpy int32": lambda c: np.array(c, np.int32),
+    "numpy uint8": lambda c: np.array(c, np.uint8),
+    "jax.Array": lambda c: jnp.asarray(c, jnp.int32),
+    "Python ints": lambda c: c,
+    "tuple, NumPy scalar": lambda c: np.int16(c) if isinstance(c, int) else tuple(c),
+}
+
+
+@pytest.mark.parametrize("kind", COUNT_KINDS)
+@pytest.mark.parametrize("name", V_FORMS)
+def test_repeated_variable_size_exchange_gives_the_new_values(comm, name, kind, counts_checked):
+    graph = ring(comm)
+    for seed in range(3):  # the counts change from call to call
+        call, (want, want_counts) = v_call(name, comm, graph, seed, COUNT_KINDS[kind])
+        y, got = call()
+        assert isinstance(y, jax.Array) and isinstance(got, jax.Array)
+        assert_values(y, want)
+        assert_values(got, np.asarray(want_counts, np.int32))
+    # Each count operand was checked in the first call only.
+    assert len(counts_checked) == 2
+    graph.free()
+
+
+def test_variable_size_shortcut_validates_every_call(comm, counts_checked):
+    """Counts whose values the C++ refuses, after calls like them passed: the same
+    errors as on the full path, and the other ranks finish their exchange."""
+    size = comm.size
+    x = jnp.asarray(x_of(comm.rank, 0, size))
+    for _ in range(2):
+        comm.alltoallv(x, np.ones(size, np.int32), capacity=size)
+    assert len(counts_checked) == 2
+    bad = np.ones(size, np.int32)
+    bad[-1] = -1 if comm.rank == 0 else 1
+    if comm.rank == 0:
+        with pytest.raises(Exception, match=r"send_counts=\[.*\] must be counts of rows"):
+            jax.block_until_ready(comm.alltoallv(x, bad, capacity=size))
+    else:
+        _, got = comm.alltoallv(x, bad, capacity=size)
+        assert int(got[0]) == 0  # rank 0 sent nothing
+    too_many = np.full(size, 2 if comm.rank == size - 1 else 1, np.int32)
+    if comm.rank == size - 1:
+        with pytest.raises(Exception, match=r"add up to more than x.s \d+ rows"):
+            jax.block_until_ready(comm.alltoallv(x, too_many, capacity=2 * size))
+    else:
+        comm.alltoallv(x, too_many, capacity=2 * size)
+    # An overflow of capacity on the rank it happens, with counts like before.
+    over = jnp.asarray(x_of(comm.rank, 0, 2 * size))
+    comm.alltoallv(over, np.full(size, 2, np.int32), capacity=2 * size)
+    capacity = 2 * size - 1 if comm.rank == 0 else 2 * size
+    if comm.rank == 0:
+        with pytest.raises(Exception, match=r"more than capacity="):
+            jax.block_until_ready(
+                comm.alltoallv(over, np.full(size, 2, np.int32), capacity=capacity)
+            )
+    else:
+        comm.alltoallv(over, np.full(size, 2, np.int32), capacity=capacity)
+    _, got = comm.alltoallv(x, np.ones(size, np.int32), capacity=size)
+    assert_values(got, np.ones(size, np.int32))
+    comm.barrier()
+
+
+def test_variable_size_shortcut_keeps_the_checks_of_what_changed(comm, counts_checked):
+    """A call that differs from the last in anything but the counts' values takes
+    the full path: each of these is refused as it is there."""
+    x = jnp.zeros((comm.size, 2))
+    comm.alltoallv(x, np.ones(comm.size, np.int32), capacity=comm.size)
+    with pytest.raises(TypeError, match=r"alltoallv: send_counts must be integers of shape"):
+        comm.alltoallv(x, np.ones(comm.size), capacity=comm.size)  # floats
+    with pytest.raises(TypeError, match=r"alltoallv: send_counts must be integers of shape"):
+        comm.alltoallv(x, np.ones(comm.size + 1, np.int32), capacity=comm.size)
+    with pytest.raises(TypeError, match=r"alltoallv: send_counts must be integers of shape"):
+        comm.alltoallv(x, [True] * comm.size, capacity=comm.size)  # not Python ints
+    with pytest.raises(ValueError, match=r"alltoallv: capacity=-1 must be at least 0"):
+        comm.alltoallv(x, np.ones(comm.size, np.int32), capacity=-1)
+    with pytest.raises(TypeError, match=r"alltoallv: capacity must be an int, got bool"):
+        comm.alltoallv(jnp.zeros((1, 2)), np.ones(comm.size, np.int32), capacity=True)
+    comm.allgatherv(x, capacity=comm.size * comm.size, count=1)
+    with pytest.raises(TypeError, match=r"allgatherv: count must be an integer scalar"):
+        comm.allgatherv(x, capacity=comm.size * comm.size, count=1.0)
+    comm.gatherv(x, 0, capacity=comm.size * comm.size)
+    with pytest.raises(ValueError, match=r"gatherv: root=\d+ is out of range"):
+        comm.gatherv(x, comm.size, capacity=comm.size * comm.size)
+    counts = np.ones(comm.size, np.int32)
+    comm.scatterv(x, counts, 0, capacity=1)
+    if comm.rank == 0:
+        with pytest.raises(ValueError, match=r"the root \(rank 0\) must pass counts, not None"):
+            comm.scatterv(x, None, 0, capacity=1)
+    # The big-endian and strided counts are read as the full path reads them.
+    _, got = comm.alltoallv(x, np.ones(comm.size, ">i4"), capacity=comm.size)
+    assert_values(got, np.ones(comm.size, np.int32))
+    _, got = comm.alltoallv(x, np.ones(2 * comm.size, np.int32)[::2], capacity=comm.size)
+    assert_values(got, np.ones(comm.size, np.int32))
+    comm.barrier()
+
+
+def test_no_variable_size_shortcut_while_tracing(comm):
+    x = jnp.asarray(x_of(comm.rank, 0, comm.size))
+    counts = np.ones(comm.size, np.int32)
+    for _ in range(2):
+        y, _ = comm.alltoallv(x, counts, capacity=comm.size)
+    jaxpr = str(jax.make_jaxpr(lambda: comm.alltoallv(x, counts, capacity=comm.size))())
+    assert "jaxcomm_alltoallv" in jaxpr
+    assert_values(jax.jit(lambda: comm.alltoallv(x, counts, capacity=comm.size))()[0], y)

@@ -169,3 +169,30 @@ def test_top_level_check_agrees_with_jax(comm):
     assert [ours for ours, _ in answers] == [jaxs for _, jaxs in answers]
     assert answers[0] == (True, True)
     assert len(answers) >= 7 and not any(ours for ours, _ in answers[1:])
+
+
+def test_under_disable_jit_the_function_runs_as_python(comm):
+    """Like jax.jit: values, not tracers, reach the function's Python."""
+    seen = []
+
+    @jaxcomm.jit
+    def step(x):
+        seen.append(type(x))
+        return comm.allreduce(x) + 1
+
+    with jax.disable_jit():
+        assert_values(step(jnp.ones(2)), np.full(2, comm.size + 1.0, FLOAT))
+    assert not issubclass(seen[0], jax.core.Tracer)
+    assert_values(step(jnp.ones(2)), np.full(2, comm.size + 1.0, FLOAT))  # and jitted after
+
+
+def test_errors_name_the_users_function(comm):
+    """A request cannot leave the function that posted it: JAX's error names that
+    function, as under jax.jit, not jaxcomm's wrapper."""
+
+    @jaxcomm.jit
+    def post(x):
+        return comm.iallreduce(x)
+
+    with pytest.raises(TypeError, match=r"function post at .*test_ordered_jit.py:\d+ traced"):
+        post(jnp.ones(2))

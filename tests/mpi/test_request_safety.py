@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from data import FLOAT, assert_values
 
-from jaxcomm import JaxComm
+from jaxcomm import JaxComm, _native
 
 BIG = 4 * 1024 * 1024  # float32 elements: 16 MiB, past every eager-send threshold
 
@@ -221,7 +221,8 @@ def test_zero_size_requests(comm, name, mode):
 def test_a_failed_wait_cancels_the_computations_other_requests(comm):
     """An error between a post and its wait ends the computation before the first
     receive's wait: that receive is cancelled, so it takes no later message, which
-    a later receive gets whole."""
+    a later receive gets whole. A message sent for it would go to a later receive,
+    so the rank goes out of step (jaxcomm._lockstep); here no peer sent one."""
     if comm.size < 2:
         pytest.skip("needs two ranks")
     right, left = ring(comm)
@@ -234,6 +235,8 @@ def test_a_failed_wait_cancels_the_computations_other_requests(comm):
     comm.send(jnp.ones(8, FLOAT), dest=right, tag=13)
     with pytest.raises(jax.errors.JaxRuntimeError, match="irecv"):
         jax.block_until_ready(jax.jit(f)(jnp.zeros(8, FLOAT)))
+    assert "irecv was cancelled before its message came" in _native.cpu.out_of_step()
+    _native.cpu.resume()
     received, source = late_message(comm, tag=12)
     assert_values(received, np.full(8, source, FLOAT))
 

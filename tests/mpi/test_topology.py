@@ -7,7 +7,7 @@ import pytest
 from mpi4py import MPI
 from test_autodiff import finite_difference_jacobian
 
-from jaxcomm import CartComm, JaxComm
+from jaxcomm import CartComm, GraphComm, JaxComm
 
 
 class Subclass(JaxComm):
@@ -95,6 +95,39 @@ def test_derived_communicators_keep_the_subclass(comm):
         part = mine.split(mine.rank % 2)
         assert type(part) is Subclass
         part.free()
+
+
+def test_split_of_a_grid_or_graph_has_no_topology(comm):
+    """MPI_Comm_split's parts have no topology: split on a CartComm or GraphComm
+    gives the class without its methods, which works like any communicator."""
+    r, n = comm.rank, comm.size
+    with Subclass(comm) as mine:
+        made = [mine.create_cart([n], [True]), mine.create_dist_graph([(r - 1) % n], [(r + 1) % n])]
+        for topo in made:
+            part = topo.split(r % 2, key=r)
+            assert type(part) is Subclass
+            members = [q for q in range(n) if q % 2 == r % 2]
+            np.testing.assert_array_equal(part.twice(jnp.ones(2)), np.full(2, 2.0 * len(members)))
+            part.free()
+            topo.free()
+
+
+def test_a_communicator_without_the_topology_is_refused_and_freed(comm):
+    """CartComm and GraphComm refuse a communicator without their topology, and
+    free the duplicate they made of it."""
+    freed = []
+
+    class Watched(JaxComm):
+        def free(self):
+            freed.append(type(self).__name__)
+            super().free()
+
+    for form in (CartComm, GraphComm):
+        cls = type(f"Watched{form.__name__}", (form, Watched), {})
+        with pytest.raises(TypeError, match=rf"Watched{form.__name__}: comm must have a"):
+            cls(comm)
+    assert freed == ["WatchedCartComm", "WatchedGraphComm"]
+    np.testing.assert_array_equal(comm.allreduce(jnp.ones(1)), np.full(1, comm.size))
 
 
 def test_many_communicators_are_freed(comm):

@@ -1,0 +1,302 @@
+"""After a run-time error on one rank, each later jaxcomm call on that rank runs
+paired with the same call on its peers, or raises: never a value paired with
+another call (docs/troubleshooting.md, "After an error").
+
+Generated: sequences of calls, eager, under jax.jit and under jaxcomm.jit, run
+synchronously or, with a matrix product beside them, asynchronously, their
+results read at once or only at the end, with one or two operations each. At
+one position rank 0's call fails: an alltoallv that overflows its capacity
+there only (the other ranks' fits). Each allreduce sums values that name it,
+so a value paired with another call shows. The peers never fail; once rank 0
+has made its calls, it makes with mpi4py those its peers still wait for, and
+goes back in step for the next example.
+
+Hypothesis is derandomised and does not shrink, so every rank draws the same
+sequences. JAXCOMM_LOCKSTEP_EXAMPLES sets how many.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from jax._src import dispatch
+
+import jaxcomm
+from jaxcomm import _native
+
+FAILING = 0  # the rank whose call fails
+WORK = 256  # a matrix product of this size beside a call: XLA runs it asynchronously
+EXAMPLES = int(os.environ.get("JAXCOMM_LOCKSTEP_EXAMPLES", "12"))
+MODES = ("eager", "jax.jit", "jaxcomm.jit")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One call of a sequence, the same on every rank."""
+
+    mode: str  # eager, jax.jit or jaxcomm.jit
+    work: bool  # a matrix product beside it (asynchronous under jit)
+    read: bool  # its results read at once, else after the last call
+    twice: bool  # two operations: an allreduce after the first
+
+
+def value(position: int, op: int) -> float:
+    """What an operation of a sequence sums over ranks, times (rank + 1)."""
+    return float(10 * position + op + 1)
+
+
+def allreduce_input(comm, position: int, op: int) -> jax.Array:
+    return jnp.full(2, value(position, op) * (comm.rank + 1), jnp.float32)
+
+
+@functools.cache
+def computation(comm, mode: str, position: int, failing: bool, work: bool, twice: bool):
+    """The call at `position`: f(m) -> its results (the matrix product's last),
+    compiled once for every example that has it."""
+    size = comm.size
+    capacity = size - 1 if failing and comm.rank == FAILING else size
+
+    def step(m):
+        if failing:  # overflows capacity on the failing rank only
+            x = jnp.ones((size, 2), jnp.float32)
+            first, _ = comm.alltoallv(x, [1] * size, capacity=capacity)
+        else:
+            first = comm.allreduce(allreduce_input(comm, position, 0))
+        results = [first]
+        if twice:
+            results.append(comm.allreduce(allreduce_input(comm, position, 1)))
+        if work:
+            results.append((m @ m @ m).sum())
+        return results
+
+    return {"eager": step, "jax.jit": jax.jit(step), "jaxcomm.jit": jaxcomm.jit(step)}[mode]
+
+
+def expected(comm, position: int, failing: bool, twice: bool) -> list[np.ndarray]:
+    ranks = comm.size * (comm.size + 1) // 2
+    first = (
+        np.ones((comm.size, 2), np.float32)
+        if failing
+        else np.full(2, value(position, 0) * ranks, np.float32)
+    )
+    return [first, np.full(2, value(position, 1) * ranks, np.float32)][: 1 + twice]
+
+
+def operations(steps: list[Step]) -> list[tuple[int, int]]:
+    """(position, op) of every operation the peers make, in order."""
+    return [(p, op) for p, step in enumerate(steps) for op in range(1 + step.twice)]
+
+
+def run_sequence(comm, steps: list[Step], fail_at: int) -> None:
+    made = _native.cpu.call_count()
+    work = jnp.ones((WORK, WORK), jnp.float32)
+    outcomes: list = [None] * len(steps)
+    for p, step in enumerate(steps):
+        fn = computation(comm, step.mode, p, p == fail_at, step.work, step.twice)
+        try:
+            outcomes[p] = fn(work)
+            if step.read:
+                outcomes[p] = jax.block_until_ready(outcomes[p])
+        except jax.errors.JaxRuntimeError as error:
+            outcomes[p] = error
+    for p, outcome in enumerate(outcomes):
+        if not isinstance(outcome, Exception):
+            try:
+                outcomes[p] = jax.block_until_ready(outcome)
+            except jax.errors.JaxRuntimeError as error:
+                outcomes[p] = error
+    made = _native.cpu.call_count() - made
+    if comm.rank == FAILING:
+        catch_up(comm, operations(steps)[made:], fail_at)
+    for p, (step, outcome) in enumerate(zip(steps, outcomes, strict=True)):
+        failing = p == fail_at
+        where = f"rank {comm.rank}, call {p} of {steps} failing at {fail_at}"
+        if isinstance(outcome, Exception):
+            # Only the failing rank raises: at the failing call, and after it.
+            assert comm.rank == FAILING and p >= fail_at, f"{where}: {outcome}"
+            if failing:
+                assert "more than capacity=" in str(outcome), f"{where}: {outcome}"
+            continue
+        assert not (failing and comm.rank == FAILING), f"{where}: no error"
+        for got, want in zip(outcome, expected(comm, p, failing, step.twice), strict=False):
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=where)
+
+
+def catch_up(comm, missed: list[tuple[int, int]], fail_at: int) -> None:
+    """On the failing rank, after its calls: the allreduces that its peers make
+    and it did not (it stopped), through mpi4py; then back in step."""
+    for position, op in missed:
+        assert (position, op) != (fail_at, 0), "the failing operation did not run"
+        mine = np.asarray(allreduce_input(comm, position, op))
+        comm.mpi.Allreduce(mine, np.empty_like(mine))
+    forget_failures()
+
+
+def forget_failures() -> None:
+    """Back in step, JAX's tokens of failed computations forgotten: the test
+    has made the calls that the peers waited for."""
+    with contextlib.suppress(Exception):  # JAX 0.12 raises a group of them
+        jax.effects_barrier()
+    dispatch.runtime_tokens.clear()
+    _native.cpu.resume()
+
+
+SETTINGS = settings(
+    derandomize=True,  # the same sequences on every rank
+    database=None,
+    max_examples=EXAMPLES,
+    deadline=None,
+    phases=[Phase.explicit, Phase.generate],  # no shrinking: one failing example, everywhere
+    suppress_health_check=list(HealthCheck),
+    print_blob=False,
+)
+
+steps = st.builds(Step, st.sampled_from(MODES), st.booleans(), st.booleans(), st.booleans())
+
+
+@SETTINGS
+@given(sequence=st.lists(steps, min_size=2, max_size=4), data=st.data())
+def test_a_rank_that_failed_stays_paired_or_raises(comm, sequence, data):
+    fail_at = data.draw(st.integers(0, len(sequence) - 1), label="fail_at")
+    run_sequence(comm, sequence, fail_at)
+    check_in_step(comm)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_call_dispatched_before_the_error_is_read(comm, mode):
+    """Rank 0's step fails after its call returned; another step was dispatched
+    before rank 0 read the error: that step never runs there, and rank 0's next
+    call raises instead of pairing with it."""
+    failing = Step("jaxcomm.jit" if mode == "eager" else mode, True, False, False)
+    after = [Step(mode, False, False, False), Step("eager", False, True, False)]
+    run_sequence(comm, [failing, *after], 0)
+    check_in_step(comm)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_synchronous_failure_needs_no_ceremony(comm, mode):
+    """A step whose one operation fails inside its call leaves every rank in step."""
+    run_sequence(comm, [Step(mode, False, True, False), Step(mode, False, True, False)], 0)
+    assert _native.cpu.out_of_step() is None
+
+
+def check_in_step(comm) -> None:
+    x = jnp.full(2, comm.rank + 1.0, jnp.float32)
+    want = comm.size * (comm.size + 1) / 2
+    np.testing.assert_array_equal(comm.allreduce(x), np.full(2, want, np.float32))
+    np.testing.assert_array_equal(jax.jit(comm.allreduce)(x), np.full(2, want, np.float32))
+    np.testing.assert_array_equal(jaxcomm.jit(comm.allreduce)(x), np.full(2, want, np.float32))
+
+
+def test_out_of_step_refuses_every_later_call(comm):
+    """Out of step, a rank refuses eager calls, jitted ones and posts alike, with
+    an error that says why; its peers wait for nothing it refused here."""
+    _native.cpu.diverge("a test said so")
+    x = jnp.ones(2, jnp.float32)
+    calls = {
+        "eager": lambda: comm.allreduce(x),
+        "jax.jit": lambda: jax.jit(comm.allreduce)(x),
+        "jaxcomm.jit": lambda: jaxcomm.jit(comm.allreduce)(x),
+        "post": lambda: comm.iallreduce(x),
+    }
+    try:
+        for call in calls.values():
+            with pytest.raises(jax.errors.JaxRuntimeError, match=r"out of step.*a test said so"):
+                jax.block_until_ready(call())
+    finally:
+        forget_failures()
+    check_in_step(comm)
+
+
+def test_a_receive_left_by_a_failed_computation_puts_the_rank_out_of_step(comm):
+    """Rank 0's computation posts a receive, then fails before its wait: the
+    receive is cancelled, and a message sent for it later would go to a later
+    receive, so rank 0 is out of step. The cancel holds: a later receive takes
+    the message whole."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    capacity = comm.size - 1 if comm.rank == FAILING else comm.size
+
+    @jax.jit
+    def step(x):
+        if comm.rank == FAILING:
+            request = comm.irecv(jnp.zeros(2, jnp.float32), source=1, tag=5)
+        y, _ = comm.alltoallv(x, [1] * comm.size, capacity=capacity)
+        return comm.wait(request) if comm.rank == FAILING else y
+
+    if comm.rank == FAILING:
+        with pytest.raises(jax.errors.JaxRuntimeError, match="more than capacity="):
+            jax.block_until_ready(step(jnp.ones((comm.size, 2), jnp.float32)))
+        assert "irecv was cancelled before its message came" in _native.cpu.out_of_step()
+    else:
+        jax.block_until_ready(step(jnp.ones((comm.size, 2), jnp.float32)))
+    comm.mpi.Barrier()  # the message leaves after the receive was cancelled
+    if comm.rank == 1:
+        comm.mpi.Send(np.full(2, 7.0, np.float32), dest=FAILING, tag=5)
+    if comm.rank == FAILING:
+        forget_failures()
+        got = comm.recv(jnp.zeros(2, jnp.float32), source=1, tag=5)
+        np.testing.assert_array_equal(got, np.full(2, 7.0, np.float32))
+    check_in_step(comm)
+
+
+def test_a_failure_leaves_another_threads_requests_alone(comm):
+    """A computation that fails abandons the requests it posted, not those of a
+    computation that another thread runs meanwhile, which completes."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    p2p, collective = comm.dup(), comm.dup()
+    x = jnp.ones((comm.size, 2), jnp.float32)
+    capacity = comm.size - 1 if comm.rank == FAILING else comm.size
+    overflowing = jax.jit(lambda x: comm.alltoallv(x, [1] * comm.size, capacity=capacity)[0])
+
+    def worker(out):
+        if comm.rank == FAILING:
+
+            def receiving(v):  # the receive stays posted while the allreduce waits
+                request = p2p.irecv(jnp.zeros((), jnp.float32), source=1, tag=9)
+                total = collective.allreduce(v)
+                return p2p.wait(request) + 0 * total
+
+            out.append(jax.jit(receiving)(jnp.float32(1)))
+        elif comm.rank == 1:
+
+            def sending(v):
+                total = collective.allreduce(v)
+                p2p.send(jnp.float32(7.0), dest=FAILING, tag=9)
+                return total
+
+            out.append(jax.jit(sending)(jnp.float32(1)))
+        else:
+            out.append(jax.jit(collective.allreduce)(jnp.float32(1)))
+
+    results: list = []
+    thread = threading.Thread(target=worker, args=(results,))
+    if comm.rank == FAILING:
+        started = _native.cpu.call_count()
+        thread.start()
+        while _native.cpu.call_count() < started + 2:  # the receive posted, the allreduce entered
+            time.sleep(0.001)
+        with pytest.raises(jax.errors.JaxRuntimeError, match="more than capacity="):
+            jax.block_until_ready(overflowing(x))
+    else:
+        jax.block_until_ready(overflowing(x))
+        thread.start()
+    thread.join()
+    if comm.rank == FAILING:
+        np.testing.assert_array_equal(results[0], np.float32(7.0))
+    assert _native.cpu.out_of_step() is None
+    p2p.free()
+    collective.free()
+    check_in_step(comm)
