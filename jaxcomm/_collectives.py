@@ -53,9 +53,12 @@ def _scatter_rows(comm: CommInfo, *, root: int) -> str | None:
 _ROOT = {"root": ROOT}
 # bcast's root and gather's other ranks return x as it is; the others get a
 # buffer of their own, which MPI fills (x's would make XLA copy an x still used).
-bcast_p = comm_primitive("bcast", same_shape, result_is_x=on_root, params=_ROOT, elementwise=True)
+# bcast's and allgather's results are the same on every rank ("replicated").
+bcast_p = comm_primitive(
+    "bcast", same_shape, result_is_x=on_root, params=_ROOT, elementwise=True, vma="replicated"
+)
 gather_p = comm_primitive("gather", _gather_shape, result_is_x=off_root, params=_ROOT)
-allgather_p = comm_primitive("allgather", _stacked)
+allgather_p = comm_primitive("allgather", _stacked, vma="replicated")
 scatter_p = comm_primitive("scatter", _scatter_shape, params=_ROOT, leading_axis=_scatter_rows)
 # MPI libraries' in-place alltoall is also slower: it exchanges through a
 # temporary buffer, one peer at a time (MPICH's: up to 2x the out-of-place call).

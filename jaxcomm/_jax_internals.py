@@ -17,8 +17,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core, dispatch, effects, sharding_impls
+from jax._src import config, core, dispatch, effects, sharding_impls
 from jax._src.array import ArrayImpl
+from jax._src.core import ManualAxisType
 from jax._src.interpreters import ad, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib import xla_client
@@ -32,16 +33,23 @@ __all__ = [
     "ArrayImpl",
     "apply_primitive",
     "at_top_level",
+    "axis_sizes",
     "chain_marker",
     "continue_chain",
     "current_trace",
     "host_arrays",
+    "in_shard_map",
     "lower_identity",
     "lower_with_token",
+    "lowering_mesh",
+    "manual_axes",
     "ordered_call",
     "register_lowering",
     "restart_chain",
     "taking_part",
+    "typed",
+    "vary",
+    "varying",
 ]
 
 
@@ -206,14 +214,8 @@ def lower_with_token(
     last = {_lockstep.LAST: np.bool_(True)} if marked else {}
 
     def lowering(ctx: mlir.LoweringRuleContext, *operands: Any, **attrs: Any) -> Sequence[Any]:
-        if (devices := _devices(ctx)) > 1:
-            raise ValueError(
-                f"jaxcomm: {target.removeprefix('jaxcomm_')} in a computation over {devices} "
-                "devices of one process. jaxcomm makes one MPI call per process, and each "
-                "device would make its own on the same communicator. Give each process one "
-                "device (one rank per device), or combine a process's devices with JAX's own "
-                "collectives (lax.psum inside shard_map) and call jaxcomm outside shard_map."
-            )
+        if (refusal := _placement_refusal(ctx)) is not None:
+            raise ValueError(f"jaxcomm: {target.removeprefix('jaxcomm_')} {refusal}")
         token = ctx.tokens_in.get(COMM_EFFECT)
         inner = ctx.replace(
             avals_in=[core.abstract_token, *ctx.avals_in[templates:]],
@@ -227,14 +229,63 @@ def lower_with_token(
     return lowering
 
 
-def _devices(ctx: mlir.LoweringRuleContext) -> int:
-    """How many devices the computation being lowered runs on."""
+def _placement_refusal(ctx: mlir.LoweringRuleContext) -> str | None:
+    """Why an operation cannot run where the computation being lowered runs, or None.
+
+    jaxcomm makes one MPI call per process. It may run in a computation on one
+    device, or in the per-device body of shard_map over a mesh with one device
+    per process. A global computation over several processes' devices is
+    partitioned by XLA, which cannot place an MPI call (it fails with an
+    internal error); several devices of one process would each make the call.
+    """
     axis_context = ctx.module_context.axis_context
-    if isinstance(axis_context, sharding_impls.ShardingContext):
-        return axis_context.num_devices
     if isinstance(axis_context, sharding_impls.SPMDAxisContext):
-        return axis_context.mesh.size
-    return getattr(getattr(axis_context, "axis_env", None), "nreps", 1)
+        mesh = axis_context.mesh
+        automatic = [a for a in mesh.axis_names if a not in axis_context.manual_axes]
+        if any(mesh.shape[a] > 1 for a in automatic):
+            return (
+                f"inside shard_map over mesh axes {sorted(axis_context.manual_axes)} of a "
+                f"mesh that also has axes {automatic}, which XLA partitions: run shard_map "
+                "over every axis of the mesh (leave its axis_names out)"
+            )
+        devices = getattr(mesh, "devices", None)
+        if devices is None:  # an abstract mesh: at most this process's devices
+            mine = min(mesh.size, jax.local_device_count())
+        else:
+            mine = sum(d.process_index == jax.process_index() for d in devices.flat)
+        return _several_devices(mine) if mine > 1 else None
+    if isinstance(axis_context, sharding_impls.ShardingContext):
+        count = axis_context.num_devices
+        if count <= 1:
+            return None
+        # JAX names the devices only to some lowerings; where it does not, more
+        # devices than this process has are others' too.
+        devices = axis_context.device_assignment
+        if devices is not None:
+            spans = len({d.process_index for d in devices}) > 1
+        else:
+            spans = count > jax.local_device_count()
+        if not spans:
+            return _several_devices(count)
+        return (
+            f"on arrays that span several processes ({count} devices), outside "
+            "shard_map: XLA would partition the computation and cannot place an MPI "
+            "call. Call it inside jax.shard_map over the mesh (one device per "
+            "process), where it acts on this process's block, or pass it this "
+            "process's block (x.addressable_data(0))"
+        )
+    mine = getattr(getattr(axis_context, "axis_env", None), "nreps", 1)
+    return _several_devices(mine) if mine > 1 else None
+
+
+def _several_devices(count: int) -> str:
+    return (
+        f"in a computation over {count} devices of one process. jaxcomm makes one MPI "
+        "call per process, and each device would make its own on the same communicator. "
+        "Give each process one device (one rank per device), or combine a process's "
+        "devices with JAX's own collectives (lax.psum inside shard_map) and call jaxcomm "
+        "outside shard_map."
+    )
 
 
 def lower_identity(ctx: mlir.LoweringRuleContext, *operands: Any, **_: Any) -> Sequence[Any]:
@@ -352,3 +403,66 @@ def continue_chain(marker: jax.Array) -> None:
     """Make `marker`, the last ordered call's, what the next call with COMM_EFFECT
     waits for: JAX's Python dispatch and jax.effects_barrier wait for it."""
     _chain.token._buf = marker
+
+
+# ---------------------------------------------------------------------------
+# Varying manual axes: shard_map's types (check_vma, on by default).
+#
+# Inside shard_map with check_vma, each value's type says along which mesh
+# axes it may differ between devices ("varying"); elsewhere those sets are
+# empty. JAX checks that derivative rules keep them: a cotangent must have its
+# primal's type.
+
+
+def manual_axes() -> tuple[str, ...]:
+    """The mesh axes along which the function being traced is a per-device body
+    whose values carry varying-axes types (shard_map with check_vma); else ()."""
+    if not config._check_vma.value:
+        return ()
+    return tuple(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def in_shard_map() -> bool:
+    """Whether the function being traced is shard_map's per-device body."""
+    return bool(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def axis_sizes() -> dict[str, int]:
+    """Each axis of the mesh of the function being traced: its number of devices."""
+    return dict(jax.sharding.get_abstract_mesh().shape)
+
+
+def varying(aval: Any) -> frozenset[str]:
+    """The axes along which values of type `aval` may differ between devices."""
+    mat = getattr(aval, "mat", None)
+    return mat.varying if mat is not None else frozenset()
+
+
+def typed(aval: core.ShapedArray, names: frozenset[str]) -> core.ShapedArray:
+    """`aval`'s shape and dtype, varying along `names` in the current mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = jax.sharding.PartitionSpec(*(None,) * len(aval.shape))
+    return core.ShapedArray(
+        aval.shape,
+        aval.dtype,
+        aval.weak_type,
+        sharding=jax.sharding.NamedSharding(mesh, spec),
+        manual_axis_type=ManualAxisType(varying=frozenset(names)),
+    )
+
+
+def vary(x: Any, names: frozenset[str]) -> Any:
+    """x typed as varying along `names` too (JAX's pcast to varying: the identity,
+    whose transpose sums the cotangent over those axes with JAX's collectives)."""
+    missing = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a in names)
+    missing = tuple(a for a in missing if a not in varying(core.typeof(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def lowering_mesh(ctx: mlir.LoweringRuleContext) -> jax.sharding.Mesh | None:
+    """The mesh (with devices) of the shard_map whose body is being lowered, if any."""
+    axis_context = ctx.module_context.axis_context
+    if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+        mesh = axis_context.mesh
+        return mesh if isinstance(mesh, jax.sharding.Mesh) else None
+    return None

@@ -20,6 +20,7 @@ import numpy as np
 from jax import core
 from jax.extend.core import Primitive
 
+from jaxcomm import _sharded
 from jaxcomm._jax_internals import (
     COMM_EFFECT,
     apply_primitive,
@@ -41,8 +42,10 @@ def register_kernel(target: str, handler: Any, platform: str = "cpu") -> None:
     jax.ffi.register_ffi_target(target, handler, platform=platform)
 
 
-def _abstract_eval(*avals, results, **_):
-    return [core.ShapedArray(shape, dtype) for shape, dtype in results], {COMM_EFFECT}
+def _abstract_eval(*avals, results, comm, target, **_):
+    shaped = [core.ShapedArray(shape, dtype) for shape, dtype in results]
+    # Inside shard_map, varying along every axis comm spans (jaxcomm._sharded).
+    return _sharded.type_results(shaped, avals, comm, target, "varying"), {COMM_EFFECT}
 
 
 # Runs before each kernel: the kernel does not run while this rank is out of step

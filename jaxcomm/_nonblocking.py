@@ -46,13 +46,16 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 from mpi4py import MPI
 
-from jaxcomm import _collectives, _p2p, _reductions, _replicated, _variable_size
+from jaxcomm import _collectives, _p2p, _reductions, _replicated, _sharded, _variable_size
 from jaxcomm._datatypes import ReduceOp
 from jaxcomm._jax_internals import (
     COMM_EFFECT,
     apply_primitive,
     lower_with_token,
+    manual_axes,
     register_lowering,
+    typed,
+    varying,
 )
 from jaxcomm._native import PLATFORMS, cpu
 from jaxcomm._primitive import CommInfo, CommPrimitive, comm_primitive
@@ -108,6 +111,10 @@ class Nonblocking(NamedTuple):
     # (a rank axis stays leading, so each rank's rows are contiguous).
     batch_in: int
     batch_out: int
+    # How the wait's result is typed inside shard_map: the blocking op's
+    # (jaxcomm._sharded). The start's buffers vary as x does: AD rules pass x's
+    # cotangent through them.
+    vma: str = "varying"
 
 
 def _declare(blocking: CommPrimitive, kind: StartBuffers, batch_in=0, batch_out=0) -> Nonblocking:
@@ -136,7 +143,7 @@ def _declare(blocking: CommPrimitive, kind: StartBuffers, batch_in=0, batch_out=
     start.def_impl(
         lambda *operands, posted, **params: apply_primitive(start, *operands, posted=0, **params)
     )
-    return Nonblocking(start, kind, batch_in, batch_out)
+    return Nonblocking(start, kind, batch_in, batch_out, blocking.vma)
 
 
 # Starts bound while tracing carry a `posted` number (0 otherwise, and in the
@@ -193,12 +200,18 @@ def _rows(operation: str, x, counts) -> int:
     return _variable_size.rows_of(x, counts[0], _exchange(operation).unbatched[0])
 
 
-def _wait_shapes(*operands, operation, **_):
+def _wait_shapes(*operands, operation, comm, **_):
     kind = OPERATIONS[operation].kind
     if not kind.result:
         return []
-    _, _, pending, _ = _split_wait_operands(kind, operands)
-    return [pending, _p2p.STATUS] if kind.status else [pending]
+    request, _, pending, _ = _split_wait_operands(kind, operands)
+    # Inside shard_map: the result typed as the blocking operation's, from the
+    # pending buffer's type; the status as the request (jaxcomm._sharded).
+    vma = OPERATIONS[operation].vma
+    (result,) = _sharded.type_results([pending], [pending], comm, operation, vma)
+    if not kind.status:
+        return [result]
+    return [result, *_sharded.type_results([_p2p.STATUS], [request], comm, operation, "same")]
 
 
 wait_p = Primitive("jaxcomm_wait")
@@ -228,7 +241,10 @@ def _wait_lowering(ctx, *operands, operation, comm, params):
 
 test_p = Primitive("jaxcomm_test")
 test_p.def_impl(lambda request: jnp.asarray(test_now(request)))
-test_p.def_effectful_abstract_eval(lambda request: (core.ShapedArray((), np.bool_), {COMM_EFFECT}))
+_DONE = core.ShapedArray((), np.bool_)
+test_p.def_effectful_abstract_eval(
+    lambda request: (typed(_DONE, varying(request)) if manual_axes() else _DONE, {COMM_EFFECT})
+)
 register_lowering(test_p, lower_with_token("jaxcomm_test", awaited=False), platform="cpu")
 
 

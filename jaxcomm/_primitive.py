@@ -22,12 +22,13 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from mpi4py import MPI
 
-from jaxcomm import _checks
+from jaxcomm import _checks, _sharded
 from jaxcomm._checks import Check
 from jaxcomm._jax_internals import (
     COMM_EFFECT,
     apply_primitive,
     lower_with_token,
+    lowering_mesh,
     register_lowering,
     taking_part,
 )
@@ -42,6 +43,9 @@ class CommInfo(NamedTuple):
     rank: int
     size: int
     check: bool = False  # checking mode: verify cross-rank assumptions at run time
+    # For a communicator made by comm.along(mesh, axes): the mesh line it spans,
+    # which types its results inside shard_map (jaxcomm._sharded).
+    span: _sharded.Span | None = None
 
 
 AbstractEval = Callable[..., Sequence[Any]]
@@ -100,6 +104,7 @@ class CommPrimitive(Primitive):
         params: Mapping[str, Check],
         elementwise: bool,
         leading_axis: LeadingAxis,
+        vma: str,
     ):
         super().__init__(f"jaxcomm_{name}")
         self.operation = name
@@ -107,12 +112,20 @@ class CommPrimitive(Primitive):
         self.params = dict(params)
         self.elementwise = elementwise
         self.leading_axis = leading_axis
+        self.vma = vma
         # The params passed to the FFI handler after the communicator and checking
         # flag, by name inside jit and in this order eagerly: the C++ table's; and
         # how many of the last operands it takes (the others, a receive's template,
         # give only the results' shape and dtype).
         self.attrs, self.inputs = _OPERATIONS[name]
         self.def_impl(partial(apply_primitive, self))
+
+    def bind(self, *args, **params):
+        # Inside shard_map, operands of one type, varying along the axes the
+        # communicator spans (jaxcomm._sharded): as JAX's collectives take them.
+        if self.vma != "same":
+            args = _sharded.vary_operands(args, params["comm"], self.operation)
+        return super().bind(*args, **params)
 
     def bind_with_trace(self, trace, args, *rest):
         # Every rank's messages must be the same whatever its operands depend on:
@@ -161,6 +174,7 @@ def comm_primitive(
     params: Mapping[str, Check] | None = None,
     elementwise: bool = False,
     leading_axis: LeadingAxis = None,
+    vma: str = "varying",
 ) -> CommPrimitive:
     """Define the primitive for operation `name`.
 
@@ -178,6 +192,10 @@ def comm_primitive(
     x on every rank, so the small arrays of a pytree may travel as one message.
     `leading_axis`: what must have a leading axis of length size (its name in the
     error), if anything; or a function of (comm, **params) that says so.
+    `vma`: how its results are typed inside shard_map (jaxcomm._sharded.type_results):
+    "varying" (they may differ between ranks), "replicated" (the first result is
+    the same on every rank: allreduce, bcast, allgather), "same" (an identity,
+    typed as its operand).
     A primitive may have operands before those the C++ function takes (its
     buffers, in the table): a receive's template, which gives only the results'
     shape and dtype, so neither the compiled call (where a template made for the
@@ -187,21 +205,32 @@ def comm_primitive(
         raise ValueError(f"no operation {name!r} in the C++ table (cpp/operations.h)")
     if name in PRIMITIVES:
         raise ValueError(f"operation {name!r} is declared twice")
-    primitive = CommPrimitive(name, abstract_eval, params or {}, elementwise, leading_axis)
+    primitive = CommPrimitive(name, abstract_eval, params or {}, elementwise, leading_axis, vma)
     PRIMITIVES[name] = primitive
-    primitive.def_effectful_abstract_eval(
-        lambda *avals, **params: (abstract_eval(*avals, **params), {COMM_EFFECT})
-    )
+
+    def typed_abstract_eval(*avals, comm: CommInfo, **params):
+        results = abstract_eval(*avals, comm=comm, **params)
+        return _sharded.type_results(results, avals, comm, name, vma), {COMM_EFFECT}
+
+    primitive.def_effectful_abstract_eval(typed_abstract_eval)
 
     def lowering(ctx: mlir.LoweringRuleContext, *operands: Any, comm: CommInfo, **params: Any):
         if before_lowering is not None:
             before_lowering(**params)
+        _sharded.refuse_other_mesh(ctx, comm, name)
         templates = len(operands) - primitive.inputs
         ffi_attrs: dict[str, Any] = {"comm": np.int64(comm.key), "check": np.bool_(comm.check)}
         for key in primitive.attrs:
             value = params[key]
             ffi_attrs[key] = value if isinstance(value, str) else np.int32(value)
-        is_x = result_is_x is not None and result_is_x(comm=comm, **params)
+        # Not inside shard_map over processes: there every rank's result comes from
+        # the MPI call, so what follows it (JAX's collectives among it) waits for the
+        # call on every rank alike (jaxcomm._sharded: the order of JAX's collectives).
+        is_x = (
+            result_is_x is not None
+            and result_is_x(comm=comm, **params)
+            and lowering_mesh(ctx) is None
+        )
         alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases and not is_x else None
         rule = lower_with_token(
             f"jaxcomm_{name}", aliases=alias, templates=templates, awaited=comm.size > 1

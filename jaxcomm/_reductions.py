@@ -15,6 +15,7 @@ from __future__ import annotations
 from functools import partial
 
 import jax.numpy as jnp
+import numpy as np
 from jax import core
 
 from jaxcomm._checks import ROOT, reduce_op
@@ -28,6 +29,8 @@ from jaxcomm._rules import (
     differentiable,
     instantiate,
     move_batch,
+    on_rank,
+    same_program,
     zero_tangent,
 )
 
@@ -39,7 +42,7 @@ def _row(x, **_):
 # In place (MPI_IN_PLACE in x's buffer) only when asked: see asked_in_place.
 _OP = {"op": reduce_op}
 _REDUCTION = {"aliases": asked_in_place, "elementwise": True}
-allreduce_p = comm_primitive("allreduce", same_shape, params=_OP, **_REDUCTION)
+allreduce_p = comm_primitive("allreduce", same_shape, params=_OP, vma="replicated", **_REDUCTION)
 # reduce's other ranks return x as it is.
 reduce_p = comm_primitive(
     "reduce", same_shape, result_is_x=off_root, params=_OP | {"root": ROOT}, **_REDUCTION
@@ -106,7 +109,7 @@ def _allreduce_tangent(x, y, t, *, comm, op):
 def _on_root(comm, root, value, passed_through):
     # Both stay operands on every rank, so that cotangents (and vmap batch axes)
     # reach the same collectives on every rank.
-    return jnp.where(comm.rank == root, value, passed_through)
+    return jnp.where(same_program(comm.rank == root), value, passed_through)
 
 
 def _reduce_tangent(x, y, t, *, comm, op, root):
@@ -125,16 +128,18 @@ def _reduce_tangent(x, y, t, *, comm, op, root):
 def _prefix_tangent(x, y, t, *, comm, op, inclusive):
     if op == ReduceOp.SUM:
         return (scan if inclusive else exscan)(t, comm=comm, op=op)
-    # Rank r's result depends on the values of ranks 0..r (or 0..r-1): gather them.
+    # Rank r's result depends on the values of ranks 0..r (or 0..r-1): gather them
+    # all and mask the others (not slice them: every rank's program then has the
+    # same shapes, see same_program).
     stop = comm.rank + 1 if inclusive else comm.rank
-    xs = _gathered(x, comm)[:stop]
-    ts = _gathered(t, comm)[:stop]
-    if stop == 0:  # exscan on rank 0: a constant (zeros that still depend on ts)
-        return ts.sum(0)
+    mine = (jnp.arange(comm.size) < same_program(np.int32(stop))).reshape(-1, *[1] * t.ndim)
+    xs = _gathered(x, comm)
+    ts = jnp.where(mine, _gathered(t, comm), 0)
     if op in (ReduceOp.MAX, ReduceOp.MIN):
-        hit = xs == y
-        return jnp.where(hit, ts, 0).sum(0) / hit.sum(0).astype(t.dtype)
-    return (_product_of_others(xs, slice(None)) * ts).sum(0)
+        hit = mine & (xs == y)
+        ties = jnp.maximum(hit.sum(0), 1)  # none on exscan's rank 0: zeros
+        return jnp.where(hit, ts, 0).sum(0) / ties.astype(t.dtype)
+    return (_product_of_others(jnp.where(mine, xs, 1), slice(None)) * ts).sum(0)
 
 
 def _reduce_scatter_tangent(x, y, t, *, comm, op):
@@ -177,7 +182,7 @@ def _allreduce_transpose(ct, *, comm):
 
 def _reduce_transpose(ct, *, comm, root):
     from_root = pvary(bcast(ct, comm=comm, root=root), comm=comm)
-    return from_root if comm.rank == root else from_root + ct
+    return from_root + on_rank(comm.rank != root, ct)
 
 
 def _scan_transpose(ct, *, comm):

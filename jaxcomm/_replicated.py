@@ -11,10 +11,19 @@ from __future__ import annotations
 
 from functools import partial
 
+import jax
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from jaxcomm._jax_internals import COMM_EFFECT, apply_primitive, lower_identity
+from jaxcomm import _sharded
+from jaxcomm._jax_internals import (
+    COMM_EFFECT,
+    apply_primitive,
+    lower_identity,
+    typed,
+    vary,
+    varying,
+)
 from jaxcomm._primitive import CommInfo, comm_primitive, in_place, same_shape
 from jaxcomm._rules import batch_elementwise, define_rules, linear_jvp
 
@@ -23,15 +32,45 @@ from jaxcomm._rules import batch_elementwise, define_rules, linear_jvp
 pvary_p = Primitive("jaxcomm_pvary")
 pvary_p.multiple_results = True
 pvary_p.def_impl(partial(apply_primitive, pvary_p))
-pvary_p.def_effectful_abstract_eval(lambda x, **_: ([x], {COMM_EFFECT}))
+
+
+def _pvary_abstract_eval(x, *, comm: CommInfo):
+    # Inside shard_map: varying along the axes comm spans too (its input is
+    # invariant along them where along() made comm: a replicated result).
+    axes = _sharded.spanned(comm, "pvary")
+    return [typed(x, varying(x) | axes) if axes else x], {COMM_EFFECT}
+
+
+pvary_p.def_effectful_abstract_eval(_pvary_abstract_eval)
 mlir.register_lowering(pvary_p, lower_identity)
 
-check_replicated_p = comm_primitive("check_replicated", same_shape, aliases=in_place)
+check_replicated_p = comm_primitive("check_replicated", same_shape, aliases=in_place, vma="same")
 
 
 def pvary(x, *, comm: CommInfo):
     """x unchanged; its cotangent is summed over ranks (the dual of allreduce)."""
     return pvary_p.bind(x, comm=comm)[0]
+
+
+def mark(x, *, comm: CommInfo):
+    """comm.pvary(x) for one array: pvary, or inside shard_map what its types
+    allow. There an x invariant along the axes comm spans is one value for JAX:
+    along() made comm, pvary makes it varying, its cotangent summed over comm;
+    any other communicator spans every axis, and JAX's own pcast to varying
+    sums its cotangent over the mesh. An x already varying along every axis
+    of another communicator passes through pvary (jaxcomm's convention)."""
+    axes = _sharded.spanned(comm, "pvary")
+    if not axes:
+        return pvary(x, comm=comm)
+    have = varying(jax.typeof(x)) & axes
+    if not have:
+        return pvary(x, comm=comm) if comm.span is not None else vary(x, axes)
+    if comm.span is None and have == axes:
+        return pvary(x, comm=comm)
+    raise ValueError(
+        f"pvary: x varies along the mesh axes {sorted(have)} (its type: {jax.typeof(x)}), "
+        f"so it is not one replicated value over a communicator that spans {sorted(axes)}"
+    )
 
 
 def replicated_cotangent(ct, *, comm: CommInfo, operation: str):

@@ -11,9 +11,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
+
+from jaxcomm._jax_internals import in_shard_map, manual_axes, vary, varying
 
 
 def define_rules(
@@ -27,9 +30,29 @@ def define_rules(
     if jvp is not None:
         ad.primitive_jvps[primitive] = jvp
     if transpose is not None:
-        ad.primitive_transposes[primitive] = transpose
+        ad.primitive_transposes[primitive] = _typed_as_primals(transpose)
     if batch is not None:
         batching.primitive_batchers[primitive] = batch
+
+
+def _typed_as_primals(transpose: Callable[..., list]) -> Callable[..., list]:
+    """`transpose`, whose cotangents vary inside shard_map as their primals do:
+    zeros a rule makes (where no message arrives) are invariant, and JAX
+    checks that a cotangent has its primal's type."""
+
+    def rule(cts, *operands, **params):
+        results = transpose(cts, *operands, **params)
+        if not manual_axes():
+            return results
+        return [_as_primal(ct, x) for ct, x in zip(results, operands, strict=False)]
+
+    return rule
+
+
+def _as_primal(ct: Any, x: Any) -> Any:
+    if ct is None or type(ct) is ad.Zero or not ad.is_undefined_primal(x):
+        return ct
+    return vary(ct, varying(x.aval))
 
 
 def differentiable(x: Any) -> bool:
@@ -48,7 +71,18 @@ def instantiate(t: Any) -> jax.Array:
 def on_rank(keep: bool, x: jax.Array) -> jax.Array:
     """x where `keep`, else zeros; x stays an operand either way, so transposing
     this still sends a cotangent into whatever produced x (keeping ranks in step)."""
-    return lax.select(jnp.full(x.shape, keep), x, jnp.zeros_like(x))
+    return lax.select(jnp.full(x.shape, same_program(keep)), x, jnp.zeros_like(x))
+
+
+def same_program(flag: Any) -> Any:
+    """A rank-dependent scalar (a bool, or a NumPy scalar) as rules use it:
+    inside shard_map, a value XLA cannot fold, so that every process compiles
+    the same program. JAX pairs its own collectives across processes by their
+    place in the program: where a folded constant changed one rank's program,
+    XLA could order or combine them differently there (jaxcomm._sharded).
+    (A scalar: XLA makes an array whose elements are all alike into another
+    kind of constant than one whose elements differ.)"""
+    return lax.optimization_barrier(np.asarray(flag)) if in_shard_map() else flag
 
 
 def linear_jvp(primitive: Primitive) -> Callable[..., tuple[list, list]]:

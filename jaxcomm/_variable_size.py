@@ -44,7 +44,13 @@ from jaxcomm._collectives import (
 )
 from jaxcomm._primitive import CommInfo, comm_primitive
 from jaxcomm._replicated import pvary, replicated_cotangent
-from jaxcomm._rules import define_rules, differentiable, instantiate, zero_tangent
+from jaxcomm._rules import (
+    define_rules,
+    differentiable,
+    instantiate,
+    same_program,
+    zero_tangent,
+)
 
 
 def batch_of(counts, unbatched: int) -> tuple[int, ...]:
@@ -97,6 +103,7 @@ GIVEN, EXCHANGED, MIRRORED, REVERSED, REGATHERED = 0, 1, 2, 3, 4
 def _rank_rows(counts, rank: int, rows: int):
     """Where rank `rank`'s rows start among those of all ranks, in rank order,
     and which of `rows` rows are its."""
+    rank = same_program(np.int32(rank))  # one program on every rank (same_program)
     start = jnp.sum(jnp.where(jnp.arange(counts.shape[0]) < rank, counts, 0))
     return start + jnp.arange(rows), jnp.arange(rows) < counts[rank]
 
@@ -359,11 +366,17 @@ class Exchange(NamedTuple):
 
 
 def _declare(
-    operation: str, transpose, unbatched: tuple[int, int], defer: bool, rows_on_root_only=False
+    operation: str,
+    transpose,
+    unbatched: tuple[int, int],
+    defer: bool,
+    rows_on_root_only=False,
+    vma="varying",
 ) -> Exchange:
     """Exchange `operation`, with its primitive, whose results' shapes follow from
     its count operands' dimensions (_result_shapes)."""
-    primitive = comm_primitive(operation, _result_shapes(unbatched, rows_on_root_only))
+    shapes = _result_shapes(unbatched, rows_on_root_only)
+    primitive = comm_primitive(operation, shapes, vma=vma)
     return Exchange(primitive, transpose, unbatched, defer)
 
 
@@ -374,7 +387,8 @@ EXCHANGES: dict[str, Exchange] = {
     e.primitive.operation: e
     for e in [
         _declare("alltoallv", _alltoallv_transpose, (1, 1), True),
-        _declare("allgatherv", _allgatherv_transpose, (0, 1), False),
+        # Every rank receives the same rows.
+        _declare("allgatherv", _allgatherv_transpose, (0, 1), False, vma="replicated"),
         _declare("gatherv", _gatherv_transpose, (0, 1), True, rows_on_root_only=True),
         _declare("scatterv", _scatterv_transpose, (1, 0), True),
         # The same over a graph's or grid's neighbours (param `neighborhood`): counts

@@ -26,6 +26,7 @@ from jaxcomm import (
     _replicated,
     _requests,
     _settings,
+    _sharded,
     _variable_size,
     topology,
 )
@@ -171,7 +172,10 @@ class JaxComm:
             self._mpi.Get_rank(),
             self._mpi.Get_size(),
             bool(check),
+            # A duplicate spans the mesh line its original spans (along()).
+            comm._info.span if isinstance(comm, JaxComm) else None,
         )
+        self._along: dict[tuple[Any, Any], JaxComm] = {}  # along()'s, made once each
 
     @property
     def mpi(self) -> MPI.Intracomm:
@@ -217,6 +221,41 @@ class JaxComm:
             return getattr(type(self), "_plain", type(self))(part, check=self.check)
         finally:
             part.Free()
+
+    def along(self: Self, mesh: jax.sharding.Mesh, axes: str | Sequence[str]) -> Self:
+        """The processes of this communicator whose devices lie on this process's
+        line of ``mesh`` along ``axes`` (a mesh axis name, or a tuple of them), as a
+        communicator of this one's type.
+
+        Its rank is this process's index along ``axes``, row-major in the order
+        given, as ``lax.axis_index(axes)``; inside ``jax.shard_map`` over ``mesh``,
+        ``comm.along(mesh, "x").allreduce(v)`` equals ``lax.psum(v, "x")``, and its
+        results are typed as JAX's collectives over ``axes`` are. Every process of
+        this communicator needs one device in ``mesh`` (``jax.distributed`` first).
+
+        Collective over this communicator, like ``MPI_Comm_split``: every rank calls
+        it with the same mesh and axes (a rank that finds its arguments wrong
+        raises, and so does every other). Made once per (mesh, axes): later calls
+        return the same communicator without communicating.
+        """
+        try:
+            key = (mesh, (axes,) if isinstance(axes, str) else tuple(axes))
+            made = self._along.get(key)
+        except TypeError:  # not hashable: along_split says what is wrong
+            key, made = None, None
+        if made is not None and made.mpi != MPI.COMM_NULL:
+            return made
+        self._comm  # noqa: B018 (raises if this communicator was freed)
+        jax.effects_barrier()  # see __init__
+        part, span = _sharded.along_split(self._mpi, mesh, axes)
+        try:
+            made = type(self)(part, check=self.check)
+        finally:
+            part.Free()
+        made._info = made._info._replace(span=span)
+        if key is not None:
+            self._along[key] = made
+        return made
 
     def create_cart(
         self, dims: Sequence[int], periods: Sequence[bool] | None = None, reorder: bool = False
@@ -677,7 +716,7 @@ class JaxComm:
         leaves, tree = jax.tree.flatten(x)
         leaves = _checks.arrays("pvary", leaves)
         comm = self._comm
-        return jax.tree.unflatten(tree, [_replicated.pvary(leaf, comm=comm) for leaf in leaves])
+        return jax.tree.unflatten(tree, [_replicated.mark(leaf, comm=comm) for leaf in leaves])
 
     def barrier(self: Self) -> Self:
         """Block until every rank has reached the barrier. Returns self."""

@@ -43,13 +43,21 @@ def launch_environment(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run(nprocs: int, args: list[str], timeout: float, env: dict[str, str] | None = None):
-    """Run `python args...` on nprocs ranks under launch_environment(env)."""
+    """Run `python args...` on nprocs ranks under launch_environment(env).
+
+    Past `timeout` seconds the job is killed with SIGKILL, launcher and ranks
+    (coreutils `timeout` signals its process group): a process of
+    jax.distributed may ignore SIGTERM, and a launcher killed alone can leave
+    its ranks running."""
     launcher = mpiexec()
     command = [launcher, "-n", str(nprocs)]
     if is_open_mpi(launcher):
         command.append("--oversubscribe")
     full_env = launch_environment(env)
     command += [sys.executable, *args]
+    if shutil.which("timeout"):
+        command = ["timeout", "-s", "KILL", f"{timeout:g}", *command]
+        timeout += 60  # subprocess's own limit, should `timeout` itself hang
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
@@ -73,4 +81,5 @@ def failure_summary(result: subprocess.CompletedProcess) -> str:
     """One line naming what ended a run of tests/mpi: each rank's failed or timed-out
     test (tests/mpi/conftest.py prints them to stderr), else mpiexec's exit status."""
     found = re.findall(r"rank \d+: \S+ (?:failed|timed out after [\d.]+ s)", result.stderr)
-    return "; ".join(sorted(set(found))) or f"mpiexec exited with {result.returncode}"
+    killed = " (killed past its time limit)" if result.returncode in (-9, 137) else ""
+    return "; ".join(sorted(set(found))) or f"mpiexec exited with {result.returncode}{killed}"

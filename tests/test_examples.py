@@ -218,6 +218,26 @@ def test_particles_migrate_as_on_one_rank(particles_1_rank, tmp_path, nprocs):
     np.testing.assert_allclose(np.load(path), particles_1_rank, atol=1e-5)
 
 
+# Two processes in every environment; one and three in the first (matrix).
+@pytest.mark.parametrize(
+    "nprocs",
+    [pytest.param(1, marks=pytest.mark.matrix), 2, pytest.param(3, marks=pytest.mark.matrix)],
+)
+def test_sharded_particles_move_as_particles_on_one_rank(particles_1_rank, tmp_path, nprocs):
+    """The sharded program (jax.distributed, shard_map, psum and jaxcomm's
+    alltoallv) checks that every particle arrives once and momentum is kept;
+    its particles move as particles.py's on one rank, up to the force sum's order."""
+    path = tmp_path / f"{nprocs}.npy"
+    outputs = run_example("sharded_particles.py", nprocs, *SMALL_PARTICLES, "--save", str(path))
+    found = re.search(
+        rf"{nprocs} processes, 600 particles, 40 steps: (\d+) migrations, none lost, "
+        r"momentum drift [\d.e+-]+, [\d.]+ steps/s",
+        outputs[0],
+    )
+    assert found and (int(found.group(1)) > 0 or nprocs == 1), outputs[0]
+    np.testing.assert_allclose(np.load(path), particles_1_rank, atol=1e-5)
+
+
 def test_particles_plot(tmp_path):
     png = tmp_path / "particles.png"
     run_example("particles.py", 2, "--particles", "200", "--steps", "5", "--plot", str(png))

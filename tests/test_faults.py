@@ -148,6 +148,31 @@ def test_watchdog_aborts_a_send_nobody_receives(tmp_path):
     ), result.stderr
 
 
+def test_along_called_on_one_rank_only_aborts_past_the_timeout(tmp_path):
+    # along is collective, like MPI_Comm_split: rank 0 calls it alone, and
+    # JAXCOMM_TIMEOUT turns the wait for the others into an abort that says so.
+    script = program(
+        tmp_path,
+        """
+        import jax
+        from jax.sharding import Mesh
+        from mpi4py import MPI
+        from jaxcomm import JaxComm
+        comm = JaxComm()
+        if comm.rank == 0:
+            comm.along(Mesh(jax.local_devices()[:1], ("x",)), "x")
+        MPI.COMM_WORLD.Barrier()
+    """,
+    )
+    result = run(2, [script], TIMEOUT, env={"JAXCOMM_TIMEOUT": "2"})
+    assert result.returncode != 0
+    assert re.search(
+        r"jaxcomm: rank 0 has been waiting in along for [\d.]+ s \(JAXCOMM_TIMEOUT=2\): "
+        r"along is collective, and not every rank of the communicator called it",
+        result.stderr,
+    ), result.stderr
+
+
 def test_watchdog_is_quiet_when_calls_complete(tmp_path):
     script = program(
         tmp_path,

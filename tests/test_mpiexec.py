@@ -26,10 +26,16 @@ NETWORK = {
 
 
 def run_suite(
-    nprocs: int, tests: str | list[str], marks: str, env: dict[str, str] | None = None
+    nprocs: int,
+    tests: str | list[str],
+    marks: str,
+    env: dict[str, str] | None = None,
+    select: str = "",
 ) -> None:
+    """`select`: pytest's -k expression, if any."""
     tests = [tests] if isinstance(tests, str) else tests
     args = ["-m", "pytest", *tests, "-q", "-x", "-p", "no:cacheprovider", "--color=no", "-m", marks]
+    args += ["-k", select] if select else []
     result = run(
         nprocs,
         args,
@@ -69,6 +75,26 @@ EAGER = files(
     "eager", "collectives", "p2p", "reductions", "nonblocking", "variable_size", "counts",
     "graph", "neighbor_v", "in_place", "errors",
 )  # fmt: skip
+
+
+# Sharded programs: the ranks are the processes of one jax.distributed program
+# (tests/mpi/conftest.py starts it), so test_sharded.py runs alone; on 4 ranks,
+# comm.along on a 2x2 mesh. Two ranks in every environment (JAX's types change
+# between releases); the other counts in the first.
+SHARDED = {"JAXCOMM_TEST_DISTRIBUTED": "1"}
+
+
+@pytest.mark.parametrize(
+    ("nprocs", "tests"),
+    [
+        pytest.param(1, "", marks=pytest.mark.matrix),
+        (2, ""),
+        pytest.param(3, "", marks=pytest.mark.matrix),
+        pytest.param(4, "along", marks=pytest.mark.matrix),
+    ],
+)
+def test_sharded_programs(nprocs, tests):
+    run_suite(nprocs, str(HERE / "mpi" / "test_sharded.py"), "not slow", env=SHARDED, select=tests)
 
 
 @pytest.mark.parametrize("nprocs", [4, 5, 6, 7, 8, 9])

@@ -1,5 +1,6 @@
 import faulthandler
 import os
+import socket
 import sys
 import threading
 import time
@@ -12,12 +13,35 @@ from mpi4py import MPI
 # The tests cover 64-bit dtypes; this is test configuration, jaxcomm never sets it.
 jax.config.update("jax_enable_x64", True)
 
+
+def start_jax_distributed() -> None:
+    """Make every rank a process of jax.distributed, with gloo for JAX's own CPU
+    collectives: JAX's coordinator on 127.0.0.1, at a port that rank 0 finds
+    free, so that runs side by side do not collide. Test configuration only."""
+    world = MPI.COMM_WORLD
+    port = None
+    if world.rank == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    port = world.bcast(port)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=world.size, process_id=world.rank)
+
+
+# JAXCOMM_TEST_DISTRIBUTED=1: the ranks are one multi-process JAX program
+# (test_sharded.py); before anything asks JAX for its devices.
+DISTRIBUTED = os.environ.get("JAXCOMM_TEST_DISTRIBUTED") == "1"
+if DISTRIBUTED:
+    start_jax_distributed()
+
 # The suite's arrays live on the host unless JAXCOMM_TEST_DEVICE=gpu puts them on
 # JAX's GPU (test_gpu.py places its own). On a GPU machine JAX's default device
 # is the GPU, where the non-blocking operations refuse arrays and the host-only
-# checks (the eager shortcut's call counts) do not apply.
+# checks (the eager shortcut's call counts) do not apply. This process's own:
+# under jax.distributed the first of jax.devices() is process 0's.
 if os.environ.get("JAXCOMM_TEST_DEVICE", "cpu") == "cpu":
-    jax.config.update("jax_default_device", jax.devices("cpu")[0])
+    jax.config.update("jax_default_device", jax.local_devices(backend="cpu")[0])
 
 if os.environ.get("JAXCOMM_TEST_JIT") == "jaxcomm":
     # Run the suite's jitted functions through jaxcomm.jit (its C++ dispatch
