@@ -223,7 +223,7 @@ def lower_with_token(
         )
         token_out, *results = rule(inner, token, *operands[templates:], **attrs, **last)
         _lockstep.emitted(ctx, token_out.owner, marked=marked, awaited=awaited)
-        ctx.set_tokens_out(mlir.TokenSet({COMM_EFFECT: token_out}))
+        _set_comm_token(ctx, token_out)
         return results
 
     return lowering
@@ -290,8 +290,15 @@ def _several_devices(count: int) -> str:
 
 def lower_identity(ctx: mlir.LoweringRuleContext, *operands: Any, **_: Any) -> Sequence[Any]:
     """Lowering of an effectful op that only passes its operands (and the token) on."""
-    ctx.set_tokens_out(mlir.TokenSet({COMM_EFFECT: ctx.tokens_in.get(COMM_EFFECT)}))
+    _set_comm_token(ctx, ctx.tokens_in.get(COMM_EFFECT))
     return list(operands)
+
+
+def _set_comm_token(ctx: mlir.LoweringRuleContext, token: Any) -> None:
+    """Set jaxcomm's token out of `ctx` to `token`, passing on the others: an
+    uncached lowering (register_lowering) gets the tokens of every ordered effect
+    of the computation, not only its primitive's."""
+    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({COMM_EFFECT: token})))
 
 
 # ---------------------------------------------------------------------------

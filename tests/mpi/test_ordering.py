@@ -141,3 +141,35 @@ def test_captured_array_is_communicated_when_the_function_runs(comm):
     jitted = jax.jit(f)
     assert_values(jitted(), expected)
     assert_values(jitted(), expected)
+
+
+@pytest.mark.parametrize("jit", ["jax.jit", "jaxcomm.jit"])
+def test_beside_other_ordered_effects(comm, jit):
+    """jaxcomm's calls in a computation that also has another ordered effect (an
+    ordered io_callback, as jaxcomm's mpi4jax-style status uses): both run, each
+    in its own program order."""
+    import jaxcomm
+
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    seen = []
+
+    def record(value):
+        seen.append(float(value))
+
+    def f(x):
+        jax.experimental.io_callback(record, None, x[0], ordered=True)
+        total = comm.allreduce(x)
+        jax.experimental.io_callback(record, None, total[0], ordered=True)
+        shifted = comm.sendrecv(total + comm.rank, source=left, dest=right)
+        request = comm.isend(shifted, dest=right, tag=4)
+        received = comm.recv(jnp.zeros_like(x), source=left, tag=4)
+        comm.wait(request)
+        jax.experimental.io_callback(record, None, received[0], ordered=True)
+        return received
+
+    compiled = jax.jit(f) if jit == "jax.jit" else jaxcomm.jit(f)
+    total = sum(range(comm.size))
+    two_left = (comm.rank - 2) % comm.size
+    expected = np.full(2, total + two_left, FLOAT)
+    assert_values(compiled(jnp.full(2, float(comm.rank))), expected)
+    assert seen == [float(comm.rank), float(total), float(total + two_left)]
