@@ -412,10 +412,8 @@ def test_a_test_past_its_time_limit_is_named_with_its_rank_and_stacks(tmp_path):
     assert time.monotonic() - started < TIMEOUT / 2  # not the 120 s sleep
     test = "sleeps_past_the_limit.py::test_rank_0_sleeps_past_the_limit"
     summary = failure_summary(result)
-    assert re.fullmatch(rf"rank [01]: {test} timed out after 2 s(; rank 1: .*)?", summary), (
-        summary + result.stderr
-    )
-    # All threads' stacks: the watchdog's own, and the test's, in its sleep or barrier.
+    assert summary == f"rank 0: {test} timed out after 2 s", summary + result.stderr
+    # All threads' stacks: the watchdog's own, and the test's, in its sleep.
     assert re.search(r"Thread 0x[0-9a-f]+ \(most recent call first\)", result.stderr)
     assert re.search(r"line \d+ in watch\n", result.stderr), result.stderr
     assert re.search(

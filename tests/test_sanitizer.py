@@ -107,9 +107,11 @@ def test_mpi_suite_under_address_and_undefined_behaviour_sanitizers(sanitized, t
     tests = [str(HERE / "mpi" / name) for name in FILES]
     args = ["-m", "pytest", *tests, "-q", "-x", "-p", "no:cacheprovider", "--color=no"]
     args += ["-m", "not slow", "-k", SELECTED]
-    result = run(2, args, timeout=1800, env={"JAXCOMM_TEST_RANKS": "2", **env})
-    print("sanitized:", re.findall(r"\d+ passed[\w ,]* in [\d.]+s", result.stdout))
+    result = run(2, args, timeout=900, env={"JAXCOMM_TEST_RANKS": "2", **env})
     summary, found = reports(tmp_path)
+    # On one line beside the test's name, where a shortened log keeps it.
+    outcome = "" if result.returncode == 0 else f"; {summary or failure_summary(result)}"
+    print("sanitized:", re.findall(r"\d+ passed[\w ,]* in [\d.]+s", result.stdout), outcome)
     assert not found, f"{summary or failure_summary(result)}\n{found}"
     assert result.returncode == 0, (
         f"{failure_summary(result)}\n{result.stdout[-20000:]}{result.stderr[-5000:]}"

@@ -100,7 +100,10 @@ def operations(steps: list[Step]) -> list[tuple[int, int]]:
 
 def run_sequence(comm, steps: list[Step], fail_at: int) -> None:
     made = _native.cpu.call_count()
-    work = jnp.ones((WORK, WORK), jnp.float32)
+    # Ready before the first call: a computation whose input is still being made
+    # runs after its call has returned, and then even a step without work fails
+    # asynchronously.
+    work = jax.block_until_ready(jnp.ones((WORK, WORK), jnp.float32))
     outcomes: list = [None] * len(steps)
     for p, step in enumerate(steps):
         fn = computation(comm, step.mode, p, p == fail_at, step.work, step.twice)
