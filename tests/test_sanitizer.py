@@ -107,7 +107,9 @@ def test_mpi_suite_under_address_and_undefined_behaviour_sanitizers(sanitized, t
     tests = [str(HERE / "mpi" / name) for name in FILES]
     args = ["-m", "pytest", *tests, "-q", "-x", "-p", "no:cacheprovider", "--color=no"]
     args += ["-m", "not slow", "-k", SELECTED]
-    result = run(2, args, timeout=900, env={"JAXCOMM_TEST_RANKS": "2", **env})
+    # Unbuffered: a summary printed before a rank hangs at exit still shows.
+    env = {"JAXCOMM_TEST_RANKS": "2", "PYTHONUNBUFFERED": "1", **env}
+    result = run(2, args, timeout=900, env=env)
     summary, found = reports(tmp_path)
     # On one line beside the test's name, where a shortened log keeps it.
     outcome = "" if result.returncode == 0 else f"; {summary or failure_summary(result)}"
