@@ -144,6 +144,8 @@ NB_MODULE(_jaxcomm_cpu, m) {
         "Why this rank is out of step with its peers (lockstep.h), or None.");
   m.def("diverge", &jaxcomm::diverge, nb::arg("why"),
         "Put this rank out of step: `why` says which of its calls did not run.");
+  m.def("end_job_when_out_of_step", &jaxcomm::end_job_when_out_of_step,
+        "From now on, going out of step ends the job (lockstep.h).");
   m.def("resume", &jaxcomm::resume,
         "Back in step, for a test that made the calls its peers waited for.");
   m.def(

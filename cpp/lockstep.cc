@@ -4,6 +4,8 @@
 #include <mpi.h>
 
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -16,6 +18,7 @@ namespace {
 
 struct State {
   std::atomic<bool> diverged{false};
+  std::atomic<bool> end_job{false};  // end_job_when_out_of_step()
   std::mutex mutex;
   std::string why;
 };
@@ -71,7 +74,7 @@ void failed(std::string_view operation, const ffi::Error& error, bool last, bool
   if (ending == Ending::kUnpaired) {
     why = "before it had made all of its exchanges";
   } else if (!last) {
-    why = "and the later jaxcomm operations of its computation did not run";
+    why = "and the later operations of its computation did not run";
   } else if (!synchronous) {
     why =
         "after the call that dispatched its computation had returned, so JAX gives the error to "
@@ -84,11 +87,24 @@ void failed(std::string_view operation, const ffi::Error& error, bool last, bool
 
 void diverge(std::string why) {
   State& s = *shared;
-  std::lock_guard lock(s.mutex);
-  if (s.diverged.load(std::memory_order_relaxed)) return;
-  s.why = std::move(why);
-  s.diverged.store(true, std::memory_order_release);
+  {
+    std::lock_guard lock(s.mutex);
+    if (s.diverged.load(std::memory_order_relaxed)) return;
+    s.why = why;
+    s.diverged.store(true, std::memory_order_release);
+  }
+  if (!s.end_job.load(std::memory_order_acquire)) return;
+  std::fprintf(stderr,
+               "jaxcomm: rank %d ends the job: it is out of step with its peers (%s), and JAX's "
+               "own collectives in shard_map, which jaxcomm cannot refuse, would pair with the "
+               "wrong calls of its peers.\n",
+               world_rank(), why.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::_Exit(1);  // MPI_Abort may return while the launcher ends the job
 }
+
+void end_job_when_out_of_step() { shared->end_job.store(true, std::memory_order_release); }
 
 bool in_step() { return !shared->diverged.load(std::memory_order_acquire); }
 

@@ -65,6 +65,11 @@ void failed(std::string_view operation, const ffi::Error& error, bool last, bool
 // first reason is kept.
 void diverge(std::string why);
 
+// From now on, going out of step ends the job at once (MPI_Abort), with a
+// message: for a process that runs jaxcomm operations inside shard_map over
+// several processes, where a failed computation also skips JAX's own
+// collectives, which jaxcomm cannot refuse.
+void end_job_when_out_of_step();
 // Whether this rank is in step. Every wrapper asks first, before the operation
 // starts, and if not returns the error that refuses `operation`.
 bool in_step();

@@ -222,7 +222,8 @@ def lower_with_token(
             avals_out=[core.abstract_token, *ctx.avals_out],
         )
         token_out, *results = rule(inner, token, *operands[templates:], **attrs, **last)
-        _lockstep.emitted(ctx, token_out.owner, marked=marked, awaited=awaited)
+        sharded = _spans_processes(ctx)
+        _lockstep.emitted(ctx, token_out.owner, marked=marked, awaited=awaited, sharded=sharded)
         _set_comm_token(ctx, token_out)
         return results
 
@@ -276,6 +277,18 @@ def _placement_refusal(ctx: mlir.LoweringRuleContext) -> str | None:
         )
     mine = getattr(getattr(axis_context, "axis_env", None), "nreps", 1)
     return _several_devices(mine) if mine > 1 else None
+
+
+def _spans_processes(ctx: mlir.LoweringRuleContext) -> bool:
+    """Whether the computation being lowered is the body of shard_map over a mesh
+    of several processes' devices (where JAX's own collectives may run)."""
+    axis_context = ctx.module_context.axis_context
+    if not isinstance(axis_context, sharding_impls.SPMDAxisContext):
+        return False
+    devices = getattr(axis_context.mesh, "devices", None)
+    if devices is None:  # an abstract mesh
+        return jax.process_count() > 1
+    return len({d.process_index for d in devices.flat}) > 1
 
 
 def _several_devices(count: int) -> str:

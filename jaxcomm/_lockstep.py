@@ -24,6 +24,7 @@ for it forever (`abort_if_out_of_step`).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -56,14 +57,22 @@ class _Module(threading.local):
 _lowering = _Module()
 
 
-def emitted(ctx: mlir.LoweringRuleContext, call: Any, *, marked: bool, awaited: bool) -> None:
+def emitted(
+    ctx: mlir.LoweringRuleContext, call: Any, *, marked: bool, awaited: bool, sharded: bool
+) -> None:
     """Account for `call`, a jaxcomm custom call just emitted with `ctx`.
     `marked`: it has the attribute ``last`` (jaxcomm's own operations do; a user
-    kernel's does not). `awaited`: a peer may wait for it (see above)."""
+    kernel's does not). `awaited`: a peer may wait for it (see above).
+    `sharded`: it lies in shard_map over several processes, where JAX's own
+    collectives may follow it, which jaxcomm can neither see nor refuse: no call
+    of the module is last, and a rank that goes out of step ends the job."""
     state = _lowering
     module = ctx.module_context.module
     if state.module is not module:
         state.module, state.last, state.sealed = module, (), False
+    if sharded:
+        cpu.end_job_when_out_of_step()
+        awaited = state.sealed = True
     in_loop, in_callee = _placement(call)
     if awaited:
         for earlier in state.last:
@@ -128,3 +137,6 @@ def abort_if_out_of_step() -> None:
     sys.stderr.flush()
     time.sleep(_ABORT_GRACE_S)
     MPI.COMM_WORLD.Abort(1)
+    # MPICH's MPI_Abort may return while its launcher ends the job; the exit
+    # hooks after this one would wait for peers (MPI_Finalize among them).
+    os._exit(1)
