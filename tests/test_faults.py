@@ -181,20 +181,14 @@ def test_an_error_inside_shard_map_over_processes_ends_the_job(tmp_path):
     script = program(
         tmp_path,
         """
-        import socket
         import jax, jax.numpy as jnp, numpy as np
         from jax import lax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from jax_processes import start_jax_distributed
         from mpi4py import MPI
         import jaxcomm
         world = MPI.COMM_WORLD
-        port = None
-        if world.rank == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        port = world.bcast(port)
-        jax.distributed.initialize(f"127.0.0.1:{port}", world.size, world.rank)
+        start_jax_distributed()
         mesh = Mesh(np.array(jax.devices()), ("x",))
         line = jaxcomm.JaxComm().along(mesh, "x")
 
@@ -217,7 +211,8 @@ def test_an_error_inside_shard_map_over_processes_ends_the_job(tmp_path):
                 print("raised", str(error).splitlines()[0][:80], flush=True)
     """,
     )
-    result = run(2, [script], TIMEOUT)
+    helpers = str(Path(__file__).with_name("mpi"))  # jax_processes.py
+    result = run(2, [script], TIMEOUT, env={"PYTHONPATH": helpers})
     assert result.returncode != 0, result.stdout
     assert "value" not in result.stdout, result.stdout
     assert re.search(

@@ -1,6 +1,5 @@
 import faulthandler
 import os
-import socket
 import sys
 import threading
 import time
@@ -8,25 +7,11 @@ import time
 import jax
 import pytest
 from graph_edges import GRAPHS, lists
+from jax_processes import start_jax_distributed
 from mpi4py import MPI
 
 # The tests cover 64-bit dtypes; this is test configuration, jaxcomm never sets it.
 jax.config.update("jax_enable_x64", True)
-
-
-def start_jax_distributed() -> None:
-    """Make every rank a process of jax.distributed, with gloo for JAX's own CPU
-    collectives: JAX's coordinator on 127.0.0.1, at a port that rank 0 finds
-    free, so that runs side by side do not collide. Test configuration only."""
-    world = MPI.COMM_WORLD
-    port = None
-    if world.rank == 0:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-    port = world.bcast(port)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=world.size, process_id=world.rank)
 
 
 # JAXCOMM_TEST_DISTRIBUTED=1: the ranks are one multi-process JAX program
