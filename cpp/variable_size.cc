@@ -419,6 +419,23 @@ class Rows {
     return invalid_argument(call_.operation(), why);
   }
 
+  // `own`, this rank's outcome, or with `agree` whether any rank's failed, learnt
+  // by every rank (one MPI_Allreduce) before a row moves, so that all raise: a
+  // derivative's later exchanges (the tangent's, the cotangent's) may run in
+  // another computation, or never, and no rank may keep a wrong result meanwhile.
+  ffi::Error shared(ffi::Error own, bool agree) {
+    if (!agree) return own;
+    const int size = comm_size(comm_);
+    int first = own.failure() ? comm_rank(comm_) : size;
+    JAXCOMM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &first, 1, MPI_INT, MPI_MIN, comm_),
+                      call_.operation(), comm_);
+    if (first == size) return ffi::Error::Success();
+    if (own.failure()) return on_every_rank(std::move(own));
+    return on_every_rank(refuse("rank " + std::to_string(first) +
+                                " refused its counts or received more rows than its capacity; "
+                                "under a derivative every rank raises with it"));
+  }
+
   // Whether the rows `received` (per member) fit the result.
   bool fits(const Counts& received) const {
     return received.valid() && received.most() <= capacity_;
@@ -663,25 +680,24 @@ class Transfer {
 
   // Ends the call after MPI's function returned `code`: `counts` go to
   // counts_out; the rows are placed now, or by the wait, which reports `error`
-  // (a start's own failure is only MPI's). With `defer` no error of its own.
-  // `error` comes after the exchange: it is paired (lockstep.h).
-  ffi::Error end(int code, Result& counts_out, const Counts& counts, ffi::Error error, bool defer) {
+  // (a start's own failure is only MPI's). `error` comes after the exchange: it
+  // is paired (lockstep.h).
+  ffi::Error end(int code, Result& counts_out, const Counts& counts, ffi::Error error) {
     JAXCOMM_CHECK_MPI(code, pending_.operation, rows_.comm());
     write_counts(counts_out, counts);
     if (!posting()) {
       place(rows_.result(), into, arriving_, rows_.capacity(), rows_.row_bytes());
-      return defer ? ffi::Error::Success() : paired(std::move(error));
+      return paired(std::move(error));
     }
     pending_.finish = [result = result_, into = into, direct = direct_, capacity = rows_.capacity(),
                        row_bytes = rows_.row_bytes(), members = arriving_.members(),
                        per_member = arriving_.per_member(),
                        values =
                            std::vector<int>(arriving_.values().begin(), arriving_.values().end()),
-                       error = std::move(error),
-                       defer](Call&, const MPI_Status*, int32_t*) mutable {
+                       error = std::move(error)](Call&, const MPI_Status*, int32_t*) mutable {
       if (!direct)
         place(result, into, Counts(std::move(values), members, per_member), capacity, row_bytes);
-      return defer ? ffi::Error::Success() : paired(std::move(error));
+      return paired(std::move(error));
     };
     return post((*request_)->untyped_data(), std::move(pending_));
   }
@@ -723,7 +739,7 @@ void zero_missing(const Peers& peers, const Rows& rows, const Counts& received, 
 ffi::Error exchange_rows(bool neighbors, const Buffer& x, const Buffer& send_counts,
                          const Buffer& given_counts, Result& out, Result& recv_counts,
                          Result* request, int64_t comm_key, bool check, int32_t counting,
-                         int32_t defer) {
+                         int32_t agree) {
   Call call(comm_key, check);
   const bool exchange = counting == kExchanged;
   Rows rows(call, x, out, batch_of(send_counts, 1), exchange, "recv_counts");
@@ -740,6 +756,8 @@ ffi::Error exchange_rows(bool neighbors, const Buffer& x, const Buffer& send_cou
   const Counts& sent = sent_counts(*own, counting, padded);
   const Counts& received = *received_counts;
   if (auto err = rows.fit(sent.total(), received.total()); err.failure()) return err;
+  auto error = rows.shared(rows.outcome(*own, pads(*own, counting), received), agree);
+  if (agree && error.failure()) return error;
   const Sending from = sending(rows, x, *own, counting);
   Transfer t(call, comm_key, rows, x, from, received, out, request);
   Blocks out_blocks(sent), in_blocks(received);
@@ -753,38 +771,37 @@ ffi::Error exchange_rows(bool neighbors, const Buffer& x, const Buffer& send_cou
                   t.keep(send.counts), t.keep(send.starts), rows.type(), t.into,
                   t.keep(recv.counts), t.keep(recv.starts), rows.type(), rows.comm());
   });
-  return t.end(code, recv_counts, received, rows.outcome(*own, pads(*own, counting), received),
-               defer);
+  return t.end(code, recv_counts, received, std::move(error));
 }
 
 }  // namespace
 
 ffi::Error Alltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut, Result out,
                      Result recv_counts, int64_t comm_key, bool check, int32_t counting,
-                     int32_t defer) {
+                     int32_t agree) {
   return exchange_rows(false, x, send_counts, given_counts, out, recv_counts, nullptr, comm_key,
-                       check, counting, defer);
+                       check, counting, agree);
 }
 
 ffi::Error NeighborAlltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
                              Result out, Result recv_counts, int64_t comm_key, bool check,
-                             int32_t counting, int32_t defer) {
+                             int32_t counting, int32_t agree) {
   return exchange_rows(true, x, send_counts, given_counts, out, recv_counts, nullptr, comm_key,
-                       check, counting, defer);
+                       check, counting, agree);
 }
 
 ffi::Error Ialltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
                       Result out, Result request, Result /*keep*/, Result recv_counts,
-                      int64_t comm_key, bool check, int32_t counting, int32_t defer) {
+                      int64_t comm_key, bool check, int32_t counting, int32_t agree) {
   return exchange_rows(false, x, send_counts, given_counts, out, recv_counts, &request, comm_key,
-                       check, counting, defer);
+                       check, counting, agree);
 }
 
 ffi::Error IneighborAlltoallv(Token, Buffer x, Buffer send_counts, Buffer given_counts, TokenOut,
                               Result out, Result request, Result /*keep*/, Result recv_counts,
-                              int64_t comm_key, bool check, int32_t counting, int32_t defer) {
+                              int64_t comm_key, bool check, int32_t counting, int32_t agree) {
   return exchange_rows(true, x, send_counts, given_counts, out, recv_counts, &request, comm_key,
-                       check, counting, defer);
+                       check, counting, agree);
 }
 
 // allgatherv, neighbor_allgatherv and gatherv: each member's first `count` rows
@@ -794,7 +811,7 @@ namespace {
 
 ffi::Error gather_rows(Call& call, bool neighbors, const Buffer& x, const Buffer& count,
                        const Buffer& given_counts, Result& out, Result& counts_out, Result* request,
-                       int64_t comm_key, bool check, int32_t counting, bool defer, int root) {
+                       int64_t comm_key, bool check, int32_t counting, bool agree, int root) {
   const bool exchange = counting == kExchanged;
   Rows rows(call, x, out, batch_of(count, 0), exchange, "counts");
   if (auto err = rows.take_error(); err.failure()) return err;
@@ -879,6 +896,12 @@ ffi::Error gather_rows(Call& call, bool neighbors, const Buffer& x, const Buffer
     none.emplace(std::vector<int>(static_cast<size_t>(members * size), 0), members, size);
   const Counts& arriving = receives ? received : *none;
   if (auto err = rows.fit(sent.total(), arriving.total()); err.failure()) return err;
+  // Off the root the counts output holds this rank's own count (received).
+  auto error = rows.outcome(own, pads(own, counting), arriving);
+  if (!everyone_fails.empty())  // then every rank fails: with its own error, or this one
+    error = on_every_rank(error.success() ? rows.refuse(everyone_fails) : std::move(error));
+  error = rows.shared(std::move(error), agree);
+  if (agree && error.failure()) return error;
   const Sending from = sending(rows, x, own, counting);
   Transfer t(call, comm_key, rows, x, from, arriving, out, request);
   Blocks in_blocks(arriving);
@@ -894,38 +917,34 @@ ffi::Error gather_rows(Call& call, bool neighbors, const Buffer& x, const Buffer
     return t.call(Functions<C>::gatherv, Functions<C>::igatherv, t.in, mine, rows.type(), t.into,
                   t.keep(recv.counts), t.keep(recv.starts), rows.type(), root, comm);
   });
-  // Off the root the counts output holds this rank's own count (received).
-  auto error = rows.outcome(own, pads(own, counting), arriving);
-  if (!everyone_fails.empty())  // then every rank fails: with its own error, or this one
-    error = on_every_rank(error.success() ? rows.refuse(everyone_fails) : std::move(error));
-  return t.end(code, counts_out, received, std::move(error), defer);
+  return t.end(code, counts_out, received, std::move(error));
 }
 
 }  // namespace
 
 ffi::Error Allgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
                       Result counts_out, int64_t comm_key, bool check, int32_t exchange,
-                      int32_t defer) {
+                      int32_t agree) {
   Call call(comm_key, check);
   return gather_rows(call, false, x, count, given_counts, out, counts_out, nullptr, comm_key, check,
-                     exchange, defer, -1);
+                     exchange, agree, -1);
 }
 
 ffi::Error NeighborAllgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
                               Result out, Result counts_out, int64_t comm_key, bool check,
-                              int32_t exchange, int32_t defer) {
+                              int32_t exchange, int32_t agree) {
   Call call(comm_key, check);
   return gather_rows(call, true, x, count, given_counts, out, counts_out, nullptr, comm_key, check,
-                     exchange, defer, -1);
+                     exchange, agree, -1);
 }
 
 ffi::Error Gatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
                    Result counts_out, int64_t comm_key, bool check, int32_t root, int32_t exchange,
-                   int32_t defer) {
+                   int32_t agree) {
   Call call(comm_key, check);
   call.param("root", root);
   return gather_rows(call, false, x, count, given_counts, out, counts_out, nullptr, comm_key, check,
-                     exchange, defer, root);
+                     exchange, agree, root);
 }
 
 namespace {
@@ -933,7 +952,7 @@ namespace {
 // scatterv: root's counts[i] rows of each member to rank i.
 ffi::Error scatter_rows(const Buffer& x, const Buffer& counts, const Buffer& given_count,
                         Result& out, Result& count_out, Result* request, int64_t comm_key,
-                        bool check, int32_t root, int32_t counting, int32_t defer) {
+                        bool check, int32_t root, int32_t counting, int32_t agree) {
   Call call(comm_key, check);
   const bool exchange = counting == kExchanged;
   call.param("root", root);
@@ -969,6 +988,8 @@ ffi::Error scatter_rows(const Buffer& x, const Buffer& counts, const Buffer& giv
     return err;
   const Counts& received = *received_list;
   if (auto err = rows.fit(sent.total(), received.total()); err.failure()) return err;
+  auto error = rows.shared(rows.outcome(*own, pads(*own, counting), received), agree);
+  if (agree && error.failure()) return error;
   const Sending from = is_root ? sending(rows, x, *own, counting)
                                : Sending{static_cast<const char*>(x.untyped_data()), {}};
   Transfer t(call, comm_key, rows, x, from, received, out, request);
@@ -980,49 +1001,48 @@ ffi::Error scatter_rows(const Buffer& x, const Buffer& counts, const Buffer& giv
                   t.keep(send.starts), rows.type(), t.into,
                   rows.unit<typename C::Count>(received.total()), rows.type(), root, comm);
   });
-  return t.end(code, count_out, received, rows.outcome(*own, pads(*own, counting), received),
-               defer);
+  return t.end(code, count_out, received, std::move(error));
 }
 
 }  // namespace
 
 ffi::Error Scatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut, Result out,
                     Result count_out, int64_t comm_key, bool check, int32_t root, int32_t counting,
-                    int32_t defer) {
+                    int32_t agree) {
   return scatter_rows(x, counts, given_count, out, count_out, nullptr, comm_key, check, root,
-                      counting, defer);
+                      counting, agree);
 }
 
 ffi::Error Iallgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
                        Result request, Result /*keep*/, Result counts_out, int64_t comm_key,
-                       bool check, int32_t exchange, int32_t defer) {
+                       bool check, int32_t exchange, int32_t agree) {
   Call call(comm_key, check);
   return gather_rows(call, false, x, count, given_counts, out, counts_out, &request, comm_key,
-                     check, exchange, defer, -1);
+                     check, exchange, agree, -1);
 }
 
 ffi::Error IneighborAllgatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut,
                                Result out, Result request, Result /*keep*/, Result counts_out,
-                               int64_t comm_key, bool check, int32_t exchange, int32_t defer) {
+                               int64_t comm_key, bool check, int32_t exchange, int32_t agree) {
   Call call(comm_key, check);
   return gather_rows(call, true, x, count, given_counts, out, counts_out, &request, comm_key, check,
-                     exchange, defer, -1);
+                     exchange, agree, -1);
 }
 
 ffi::Error Igatherv(Token, Buffer x, Buffer count, Buffer given_counts, TokenOut, Result out,
                     Result request, Result /*keep*/, Result counts_out, int64_t comm_key,
-                    bool check, int32_t root, int32_t exchange, int32_t defer) {
+                    bool check, int32_t root, int32_t exchange, int32_t agree) {
   Call call(comm_key, check);
   call.param("root", root);
   return gather_rows(call, false, x, count, given_counts, out, counts_out, &request, comm_key,
-                     check, exchange, defer, root);
+                     check, exchange, agree, root);
 }
 
 ffi::Error Iscatterv(Token, Buffer x, Buffer counts, Buffer given_count, TokenOut, Result out,
                      Result request, Result /*keep*/, Result count_out, int64_t comm_key,
-                     bool check, int32_t root, int32_t counting, int32_t defer) {
+                     bool check, int32_t root, int32_t counting, int32_t agree) {
   return scatter_rows(x, counts, given_count, out, count_out, &request, comm_key, check, root,
-                      counting, defer);
+                      counting, agree);
 }
 
 }  // namespace jaxcomm::mpi

@@ -339,11 +339,10 @@ def _start_jvp(operation):
         if not differentiable(x):
             outs = op.start.bind(x, *counts, **params)
             return outs, [zero_tangent(v) for v in outs]
-        # A variable-size primal leaves its error to the tangent's where its
-        # blocking form does (see _variable_size's JVP rules): a rank that fails
-        # takes part in both.
-        defer = op.kind.counts and _exchange(operation).defer
-        outs = op.start.bind(x, *counts, **({**params, "defer": True} if defer else params))
+        # A variable-size primal makes a rank's error every rank's where its
+        # blocking form does (see _variable_size's JVP rules).
+        agree = op.kind.counts and _exchange(operation).errors_alone
+        outs = op.start.bind(x, *counts, **({**params, "agree": True} if agree else params))
         zeros = [zero_tangent(v) for v in outs]
         if op.kind.counts:  # the tangent's rows travel as x's, to counts now known
             dots = op.start.bind(
@@ -437,7 +436,7 @@ def _pvaried(ct, comm, operation):
 
 
 def _reversed_from_root(root, **_):
-    return {"exchange": _variable_size.REVERSED, "defer": False, "root": root}
+    return {"exchange": _variable_size.REVERSED, "agree": False, "root": root}
 
 
 def _blocking_transpose(operation: str):
@@ -489,14 +488,14 @@ ADJOINTS: dict[str, Adjoint] = {
     "irecv": Adjoint("isend", params=_reply),
     # Back to the senders, with the counts swapped, into x's rows.
     "ialltoallv": Adjoint(
-        "ialltoallv", params=lambda **_: {"exchange": _variable_size.REVERSED, "defer": False}
+        "ialltoallv", params=lambda **_: {"exchange": _variable_size.REVERSED, "agree": False}
     ),
     # The same over the reversed graph (on a grid, the grid itself).
     "ineighbor_alltoallv": Adjoint(
         "ineighbor_alltoallv",
         params=lambda neighborhood, **_: {
             "exchange": _variable_size.REVERSED,
-            "defer": False,
+            "agree": False,
             "neighborhood": neighborhood,
         },
         over=_reversed,

@@ -152,7 +152,7 @@ def learnt_counts(operation: str, sent, received, *, comm: CommInfo, **params):
     return scatter(mine, comm=comm, root=root)
 
 
-def _alltoallv_transpose(cts, x, send, recv, *, comm, capacity, exchange, defer):
+def _alltoallv_transpose(cts, x, send, recv, *, comm, capacity, exchange, agree):
     if exchange == EXCHANGED:  # transposed as written (jax.linear_transpose): learn what arrived
         recv = learnt_counts("alltoallv", send, recv, comm=comm)
     back, _ = alltoallv_p.bind(
@@ -162,12 +162,12 @@ def _alltoallv_transpose(cts, x, send, recv, *, comm, capacity, exchange, defer)
         comm=comm,
         capacity=rows_of(x, send, 1),
         exchange=REVERSED,
-        defer=False,
+        agree=False,
     )
     return [back, None, None]
 
 
-def _allgatherv_transpose(cts, x, count, counts, *, comm, capacity, exchange, defer):
+def _allgatherv_transpose(cts, x, count, counts, *, comm, capacity, exchange, agree):
     if exchange == EXCHANGED:
         counts = learnt_counts("allgatherv", count, counts, comm=comm)
     ct = replicated_cotangent(instantiate(cts[0]), comm=comm, operation="allgatherv")
@@ -180,7 +180,7 @@ def _allgatherv_transpose(cts, x, count, counts, *, comm, capacity, exchange, de
     return [own(ct, counts), None, None]
 
 
-def _gatherv_transpose(cts, x, count, counts, *, comm, root, capacity, exchange, defer):
+def _gatherv_transpose(cts, x, count, counts, *, comm, root, capacity, exchange, agree):
     if exchange == EXCHANGED:
         counts = learnt_counts("gatherv", count, counts, comm=comm, root=root)
     back, _ = scatterv_p.bind(
@@ -191,12 +191,12 @@ def _gatherv_transpose(cts, x, count, counts, *, comm, root, capacity, exchange,
         root=root,
         capacity=rows_of(x, count, 0),
         exchange=REVERSED,
-        defer=False,
+        agree=False,
     )
     return [back, None, None]
 
 
-def _scatterv_transpose(cts, x, counts, count, *, comm, root, capacity, exchange, defer):
+def _scatterv_transpose(cts, x, counts, count, *, comm, root, capacity, exchange, agree):
     if exchange == EXCHANGED:
         count = learnt_counts("scatterv", counts, count, comm=comm, root=root)
     rows = rows_of(x, counts, 1)
@@ -208,7 +208,7 @@ def _scatterv_transpose(cts, x, counts, count, *, comm, root, capacity, exchange
         root=root,
         capacity=rows if comm.rank == root else 0,
         exchange=REVERSED,
-        defer=False,
+        agree=False,
     )
     if comm.rank != root:  # x is not read off the root: no cotangent
         back = jnp.zeros(x.aval.shape, back.dtype)
@@ -223,7 +223,7 @@ def neighbor_received_counts(sent, comm: CommInfo, neighborhood: Neighborhood):
 
 
 def _neighbor_alltoallv_transpose(
-    cts, x, send, recv, *, comm, neighborhood, capacity, exchange, defer
+    cts, x, send, recv, *, comm, neighborhood, capacity, exchange, agree
 ):
     # Each source's rows go back to it over the reversed graph (on a grid, the
     # grid itself), with the counts swapped.
@@ -240,7 +240,7 @@ def _neighbor_alltoallv_transpose(
         neighborhood=back,
         capacity=rows_of(x, send, 1),
         exchange=REVERSED,
-        defer=False,
+        agree=False,
     )
     return [rows, None, None]
 
@@ -264,7 +264,7 @@ def _summed_blocks(y, count, *, blocks: int, like):
 
 
 def _neighbor_allgatherv_transpose(
-    cts, x, count, counts, *, comm, neighborhood, capacity, exchange, defer
+    cts, x, count, counts, *, comm, neighborhood, capacity, exchange, agree
 ):
     # x's rows went to every destination: each sends back the cotangent of the
     # copy it holds (a neighbor_alltoallv over the reversed graph, count rows from
@@ -287,7 +287,7 @@ def _neighbor_allgatherv_transpose(
         neighborhood=back,
         capacity=max(blocks, 1) * rows,  # (the unused block of no destinations: x's rows)
         exchange=REGATHERED,
-        defer=False,
+        agree=False,
     )
     like = core.ShapedArray(x.aval.shape[len(batch) :], x.aval.dtype)
     summed = partial(_summed_blocks, blocks=blocks, like=like)
@@ -296,18 +296,20 @@ def _neighbor_allgatherv_transpose(
     return [summed(y, count), None, None]
 
 
-def _rows_travel_as_x(primitive, defer: bool):
+def _rows_travel_as_x(primitive, agree: bool):
     """JVP of a variable-size exchange: the tangent's rows travel as x's did, with
     the counts received (operand 2) now known, so not exchanged again. With
-    `defer`, the primal exchange leaves its error (an invalid count, an overflow)
-    to the tangent's, which has the same counts and so the same error: a rank
-    that fails still takes part in both exchanges, so nobody waits for it."""
+    `agree`, the primal exchange makes a rank's error (an invalid count, an
+    overflow) every rank's before any row moves: the tangent's exchange, or the
+    cotangent's it becomes, may run in another computation (jax.vjp,
+    jax.linearize), or never, and the failed rank must not keep a wrong result
+    meanwhile, nor its peers wait for it there."""
 
     def jvp(primals, tangents, **params):
         if not differentiable(primals[0]):  # x's dtype is the same on every rank
             y, got = primitive.bind(*primals, **params)
             return [y, got], [zero_tangent(y), zero_tangent(got)]
-        y, got = primitive.bind(*primals, **{**params, "defer": defer})
+        y, got = primitive.bind(*primals, **{**params, "agree": agree})
         sent = primals[1]
         dy, _ = primitive.bind(
             instantiate(tangents[0]), sent, got, **{**params, "exchange": MIRRORED}
@@ -359,17 +361,17 @@ class Exchange(NamedTuple):
     primitive: Any
     transpose: Any
     unbatched: tuple[int, int]  # the dimensions of its count operands, unbatched
-    # Whether its primal exchange may defer its error to the tangent's. allgatherv's
-    # may not: its transpose is no exchange, so under grad the error would be lost,
-    # and only its own exchange of counts learns that another rank overflows.
-    defer: bool
+    # Whether an error of its can be one rank's alone: under a derivative its
+    # primal exchange then agrees on it (`agree`). allgatherv's is every rank's
+    # already: its exchange of counts carries every rank's capacity.
+    errors_alone: bool
 
 
 def _declare(
     operation: str,
     transpose,
     unbatched: tuple[int, int],
-    defer: bool,
+    errors_alone: bool,
     rows_on_root_only=False,
     vma="varying",
 ) -> Exchange:
@@ -377,7 +379,7 @@ def _declare(
     its count operands' dimensions (_result_shapes)."""
     shapes = _result_shapes(unbatched, rows_on_root_only)
     primitive = comm_primitive(operation, shapes, vma=vma)
-    return Exchange(primitive, transpose, unbatched, defer)
+    return Exchange(primitive, transpose, unbatched, errors_alone)
 
 
 # Operands: x, the counts this rank sends, then the counts it receives (used
@@ -407,7 +409,7 @@ neighbor_allgatherv_p = EXCHANGES["neighbor_allgatherv"].primitive
 for _e in EXCHANGES.values():
     define_rules(
         _e.primitive,
-        jvp=_rows_travel_as_x(_e.primitive, _e.defer),
+        jvp=_rows_travel_as_x(_e.primitive, _e.errors_alone),
         transpose=_e.transpose,
         batch=_one_call_per_batch(_e.primitive, _e.unbatched),
     )

@@ -385,8 +385,8 @@ class JaxComm:
         one in all but the values of its counts skips the checks of its count
         operands' types (jaxcomm._eager.repeat_rows); C++ validates their values
         on every call (cpp/counts.h), and x's and the params' checks always run."""
-        # Only the JVP rules defer an error (_variable_size).
-        params = {**rows.params, "defer": False}
+        # Only the JVP rules agree on errors (_variable_size).
+        params = {**rows.params, "agree": False}
         operation, comm = rows.primitive.operation, self._comm
         x = _checks.rows(operation, x)
         self._rows_params(operation, x, rows.counts, params)
@@ -482,7 +482,7 @@ class JaxComm:
     def _post_rows(self, operation: str, x: Any, rows: _Rows) -> Request:
         """Post the non-blocking form of a variable-size exchange on x's `rows`,
         checked as its blocking twin."""
-        params = {**rows.params, "defer": False}
+        params = {**rows.params, "agree": False}
         x, *operands = self._rows_operands(operation, x, rows.counts, params, rows.peers)
         return _requests.post_rows(operation, x, operands, self._comm, params)
 

@@ -127,20 +127,26 @@ def test_counts_beyond_int32_are_refused_not_wrapped(comm, mode, value):
     comm.barrier()
 
 
-@pytest.mark.parametrize("derivative", ["jvp", "grad", "jit(grad)"])
-@pytest.mark.parametrize("form", ["alltoallv", "gatherv", "scatterv", "allgatherv"])
+DERIVATIVES = ["jvp", "grad", "jit(grad)", "vjp", "jit(vjp)", "linearize"]
+
+
+@pytest.mark.parametrize("derivative", DERIVATIVES)
+@pytest.mark.parametrize("form", ["alltoallv", "ialltoallv", "gatherv", "scatterv", "allgatherv"])
 def test_derivative_of_an_overflow_on_one_rank(comm, derivative, form):
-    """The rank that overflows raises; the others get their derivatives (for
-    allgatherv, whose result is one value, every rank raises)."""
+    """Under a derivative every rank raises at the primal exchange: the rank that
+    overflows with its counts and capacity, the others naming it. Its tangent's or
+    cotangent's exchange may run in another computation, or never (a vjp function
+    not called), so no rank may keep a result meanwhile. The ranks stay in step."""
     if comm.size < 2:
         pytest.skip("needs a rank that does not overflow")
     culprit = 0 if form == "gatherv" else comm.size - 1  # gatherv: only the root receives
     short = comm.rank == culprit
-    if form == "alltoallv":
+    if form in ("alltoallv", "ialltoallv"):
         counts = uniform(comm.rank, comm.size)
         capacity = capacity_for(comm.size, uniform) - (3 if short else 0)
         x = jnp.asarray(rows_of(comm.rank, counts))
-        fn = lambda x: comm.alltoallv(x, np.array(counts), capacity=capacity)[0]  # noqa: E731
+        exchange = comm.alltoallv if form == "alltoallv" else ialltoallv(comm)
+        fn = lambda x: exchange(x, np.array(counts), capacity=capacity)[0]  # noqa: E731
     elif form == "allgatherv":
         capacity = 2 * comm.size - (1 if short else 0)
         x = jnp.asarray(rank_data(comm.rank, (2, 2)))
@@ -160,13 +166,20 @@ def test_derivative_of_an_overflow_on_one_rank(comm, derivative, form):
         "jvp": lambda: jax.jvp(fn, (x,), (jnp.ones_like(x),)),
         "grad": lambda: jax.grad(loss)(x),
         "jit(grad)": lambda: jax.jit(jax.grad(loss))(x),
+        # The primal result alone: the function of the derivative is never called.
+        "vjp": lambda: jax.vjp(fn, x)[0],
+        "jit(vjp)": lambda: jax.jit(lambda x: jax.vjp(fn, x)[0])(x),
+        "linearize": lambda: jax.linearize(fn, x)[0],
     }
-    if short or form == "allgatherv":
-        with pytest.raises(Exception, match=r"capacity=|add up to more than x"):
-            jax.block_until_ready(calls[derivative]())
+    if short:
+        mine = r"capacity=|add up to more than x"
+    elif form == "allgatherv":
+        mine = f"rank {culprit}.s capacity="
     else:
+        mine = f"rank {culprit} refused its counts or received more rows than its capacity"
+    with pytest.raises(Exception, match=mine):
         jax.block_until_ready(calls[derivative]())
-    comm.barrier()
+    assert float(comm.allreduce(jnp.ones(()))) == comm.size  # still in step
 
 
 def test_checking_mode_when_ranks_disagree_on_giving_counts(comm):
