@@ -269,15 +269,20 @@ def run(primitive, leaves: Sequence[Any], tree, comm, params: Params, fuse: bool
     return mapped(leaves)
 
 
-def call(primitive, arrays: Sequence[Any], comm, params: Params, remember=False) -> list:
+def call(
+    primitive, arrays: Sequence[Any], comm, params: Params, remember=False, key: Any = None
+) -> list:
     """primitive's results on `arrays` (concrete, on one CPU device: can_run) in
     one message, as NumPy arrays: a non-blocking start's, which MPI writes until
     the wait. With `remember`, a later call on an array like arrays[0] (the whole
-    of what the method was given) may `repeat` it."""
+    of what the method was given) may `repeat` it; with `key` (rows_key), a later
+    call with the same key may `repeat_rows` it."""
     in_types = tuple((a.shape, a.dtype) for a in arrays)
     prepared = _prepared(primitive, in_types, comm, params, None, 0)  # NumPy: no device
     if remember:
         _prepared_calls.put(_repeat_key(primitive, arrays, ONE_ARRAY, comm, params), prepared)
+    if key is not None:
+        _prepared_calls.put(key, prepared)
     return prepared(*arrays)
 
 
@@ -328,10 +333,11 @@ def rows_key(primitive, x: Any, counts: Iterable[Any], comm, params: dict[str, A
     return tuple(key), operands
 
 
-def repeat_rows(key: Any, x: jax.Array, operands: Sequence[Any]) -> list[jax.Array] | None:
+def repeat_rows(key: Any, x: jax.Array, operands: Sequence[Any]) -> list[Any] | None:
     """The results now of a variable-size exchange on x and count `operands`
-    that run_arrays made with the same `key` (rows_key) after its checks passed;
-    None if there was none like it, or a trace is active."""
+    that run_arrays (or, for a start, call) made with the same `key` (rows_key)
+    after its checks passed; None if there was none like it, or a trace is
+    active."""
     prepared = None if key is None else _prepared_calls.get(key)
     if prepared is None or not at_top_level():
         return None

@@ -265,23 +265,42 @@ def post(
 
 
 def post_rows(
-    operation: str, x: Any, counts: Sequence[Any], comm: CommInfo, params: dict
+    operation: str, x: Any, counts: Sequence[Any], comm: CommInfo, params: dict, key: Any = None
 ) -> Request:
     """Post variable-size `operation` on the rows of array x, with its count
-    operands (send, given), all checked as the blocking form checks them."""
+    operands (send, given), all checked as the blocking form checks them. A
+    direct post is remembered under `key` (jaxcomm._eager.rows_key) for
+    `repost_rows`."""
     op = _nonblocking.OPERATIONS[operation]
     operands = [x, *counts]
-    direct = _eager.can_run([a for a in operands if not isinstance(a, np.ndarray)])
-    if direct:  # NumPy results, which MPI writes until the wait
-        outputs = _eager.call(op.start, operands, comm, tuple(params.items()))
-        received = _eager.as_array(outputs[-1], x)
-        posted = ()
-    else:
-        number = 0 if at_top_level() else next(_nonblocking.POSTED)
-        outputs = op.start.bind(*operands, comm=comm, posted=number, **params)
-        received = outputs[-1]
-        posted = (number,)
-    part = _part(op.kind, outputs[:-1], x, direct)
+    if _eager.can_run([a for a in operands if not isinstance(a, np.ndarray)]):
+        outputs = _eager.call(op.start, operands, comm, tuple(params.items()), key=key)
+        return _rows_request(operation, x, counts[0], outputs, comm, params)
+    number = 0 if at_top_level() else next(_nonblocking.POSTED)
+    outputs = op.start.bind(*operands, comm=comm, posted=number, **params)
+    return _rows_request(operation, x, counts[0], outputs, comm, params, posted=number)
+
+
+def repost_rows(
+    operation: str, x: Any, counts: Sequence[Any], comm: CommInfo, params: dict, key: Any
+) -> Request | None:
+    """The Request of a direct post like one that post_rows remembered under
+    `key`, without its checks (C++ validates the counts' values); None if there
+    was none like it."""
+    outputs = _eager.repeat_rows(key, x, counts)
+    if outputs is None:
+        return None
+    return _rows_request(operation, x, counts[0], outputs, comm, params)
+
+
+def _rows_request(
+    operation: str, x: Any, sent: Any, outputs: Sequence[Any], comm, params, posted=None
+) -> Request:
+    """The Request of a variable-size start's `outputs`: NumPy arrays that MPI
+    writes until the wait (a direct post), or those of its bind, `posted`."""
+    direct = posted is None
+    received = _eager.as_array(outputs[-1], x) if direct else outputs[-1]
+    part = _part(_nonblocking.OPERATIONS[operation].kind, outputs[:-1], x, direct)
     leaves, tree = flatten(x)
     return Request(
         operation,
@@ -291,7 +310,7 @@ def post_rows(
         [part],
         leaves,
         tree,
-        posted=posted,
+        posted=() if direct else (posted,),
         now=direct,
-        counts=(counts[0], received),
+        counts=(sent, received),
     )

@@ -481,10 +481,18 @@ class JaxComm:
 
     def _post_rows(self, operation: str, x: Any, rows: _Rows) -> Request:
         """Post the non-blocking form of a variable-size exchange on x's `rows`,
-        checked as its blocking twin."""
+        checked as its blocking twin; an eager post that repeats an earlier one
+        skips the same checks as it does (_variable_size)."""
         params = {**rows.params, "agree": False}
-        x, *operands = self._rows_operands(operation, x, rows.counts, params, rows.peers)
-        return _requests.post_rows(operation, x, operands, self._comm, params)
+        x = _checks.rows(operation, x)
+        self._rows_params(operation, x, rows.counts, params)
+        start = _nonblocking.OPERATIONS[operation].start
+        key, given = _eager.rows_key(start, x, rows.counts.values(), self._comm, params)
+        done = _requests.repost_rows(operation, x, given, self._comm, params, key)
+        if done is not None:  # an earlier post like this one passed the checks below
+            return done
+        operands = self._rows_counts(operation, rows.counts, rows.peers)
+        return _requests.post_rows(operation, x, operands, self._comm, params, key)
 
     def allgatherv(
         self, x: jax.Array, *, capacity: int, count: ArrayLike | None = None

@@ -5,6 +5,8 @@ must give the new call's values, fall back to the full path for anything else, a
 never run while a trace is active. Eager pytree calls send the messages a jitted
 call sends."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -283,11 +285,23 @@ def padded(pieces, capacity):
     return out
 
 
-def v_call(name, comm, graph, seed, as_counts):
-    """(the call of exchange `name` in call `seed` on this rank, its expected
-    (y, counts)); as_counts makes this rank's counts what the method takes."""
+def exchange(on, name, posted):
+    """Method `name` of communicator `on`, or with `posted` its non-blocking
+    form, posted and waited for."""
+    if not posted:
+        return getattr(on, name)
+    start = getattr(on, "i" + name)
+    return lambda *args, **kwargs: on.wait(start(*args, **kwargs))
+
+
+def v_call(name, comm, graph, seed, as_counts, posted=False):
+    """(the call of exchange `name` (`posted`: its non-blocking form) in call
+    `seed` on this rank, its expected (y, counts)); as_counts makes this rank's
+    counts what the method takes."""
     r, size = comm.rank, comm.size
     left = (r - 1) % size
+    on_comm = functools.partial(exchange, comm, posted=posted)
+    on_graph = functools.partial(exchange, graph, posted=posted)
     if name == "alltoallv":
         x = x_of(r, seed, 2 * size)
         counts = as_counts([sent(r, d, seed) for d in range(size)])
@@ -296,35 +310,39 @@ def v_call(name, comm, graph, seed, as_counts):
             for s in range(size)
         ]
         want = padded(pieces, 2 * size), [sent(s, r, seed) for s in range(size)]
-        return lambda: comm.alltoallv(jnp.asarray(x), counts, capacity=2 * size), want
+        return lambda: on_comm("alltoallv")(jnp.asarray(x), counts, capacity=2 * size), want
     if name in ("allgatherv", "gatherv"):
         x = x_of(r, seed, 2)
         pieces = [x_of(s, seed, 2)[: sent(s, 0, seed)] for s in range(size)]
         want = padded(pieces, 2 * size), [sent(s, 0, seed) for s in range(size)]
         count = as_counts(sent(r, 0, seed))
         if name == "allgatherv":
-            return lambda: comm.allgatherv(jnp.asarray(x), capacity=2 * size, count=count), want
+            return lambda: on_comm("allgatherv")(
+                jnp.asarray(x), capacity=2 * size, count=count
+            ), want
         root = size - 1
         if r != root:  # rows on the root only; each other rank knows its own count
             mine = np.zeros(size, np.int32)
             mine[r] = sent(r, 0, seed)
             want = np.zeros((0, 2), np.float32), mine
-        return lambda: comm.gatherv(jnp.asarray(x), root, capacity=2 * size, count=count), want
+        return lambda: on_comm("gatherv")(
+            jnp.asarray(x), root, capacity=2 * size, count=count
+        ), want
     if name == "scatterv":
         x = x_of(0, seed, 2 * size) if r == 0 else np.zeros((0, 2), np.float32)
         counts = as_counts([sent(d, 0, seed) for d in range(size)]) if r == 0 else None
         start = sum(sent(d, 0, seed) for d in range(r))
         want = padded([x_of(0, seed, 2 * size)[start:][: sent(r, 0, seed)]], 2), sent(r, 0, seed)
-        return lambda: comm.scatterv(jnp.asarray(x), counts, 0, capacity=2), want
+        return lambda: on_comm("scatterv")(jnp.asarray(x), counts, 0, capacity=2), want
     if name == "neighbor_alltoallv":
         x = x_of(r, seed, 2)
         counts = as_counts([sent(r, 0, seed)])
         want = padded([x_of(left, seed, 2)[: sent(left, 0, seed)]], 2), [sent(left, 0, seed)]
-        return lambda: graph.neighbor_alltoallv(jnp.asarray(x), counts, capacity=2), want
+        return lambda: on_graph("neighbor_alltoallv")(jnp.asarray(x), counts, capacity=2), want
     x = x_of(r, seed, 2)
     count = as_counts(sent(r, 0, seed))
     want = padded([x_of(left, seed, 2)[: sent(left, 0, seed)]], 2), [sent(left, 0, seed)]
-    return lambda: graph.neighbor_allgatherv(jnp.asarray(x), capacity=2, count=count), want
+    return lambda: on_graph("neighbor_allgatherv")(jnp.asarray(x), capacity=2, count=count), want
 
 
 V_FORMS = [
@@ -345,12 +363,15 @@ COUNT_KINDS = {
 }
 
 
+@pytest.mark.parametrize("posted", [False, True], ids=["blocking", "posted"])
 @pytest.mark.parametrize("kind", COUNT_KINDS)
 @pytest.mark.parametrize("name", V_FORMS)
-def test_repeated_variable_size_exchange_gives_the_new_values(comm, name, kind, counts_checked):
+def test_repeated_variable_size_exchange_gives_the_new_values(
+    comm, name, kind, posted, counts_checked
+):
     graph = ring(comm)
     for seed in range(3):  # the counts change from call to call
-        call, (want, want_counts) = v_call(name, comm, graph, seed, COUNT_KINDS[kind])
+        call, (want, want_counts) = v_call(name, comm, graph, seed, COUNT_KINDS[kind], posted)
         y, got = call()
         assert isinstance(y, jax.Array) and isinstance(got, jax.Array)
         assert_values(y, want)
