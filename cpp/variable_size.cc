@@ -900,7 +900,7 @@ ffi::Error gather_rows(Call& call, bool neighbors, const Buffer& x, const Buffer
   auto error = rows.outcome(own, pads(own, counting), arriving);
   if (!everyone_fails.empty())  // then every rank fails: with its own error, or this one
     error = on_every_rank(error.success() ? rows.refuse(everyone_fails) : std::move(error));
-  error = rows.shared(std::move(error), agree);
+  if (!replicated) error = rows.shared(std::move(error), agree);  // (else every rank's already)
   if (agree && error.failure()) return error;
   const Sending from = sending(rows, x, own, counting);
   Transfer t(call, comm_key, rows, x, from, arriving, out, request);

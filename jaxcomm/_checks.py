@@ -114,6 +114,12 @@ def counts(operation: str, name: str, value: Any, size: int | None, per: str = "
     becomes a C-contiguous NumPy array, which an eager call reads where it is.
     Their values are validated where they are read, on every path
     (cpp/counts.h), so that a rank that refuses them still takes part."""
+    if type(value) is ArrayImpl and value.is_deleted():
+        raise _deleted(operation, name)
+    what = "an integer scalar" if size is None else f"integers of shape ({size},), one per {per}"
+    if isinstance(value, list | tuple) and any(isinstance(v, bool | np.bool_) for v in value):
+        # NumPy would read True as 1 among ints.
+        raise TypeError(f"{operation}: {name} must be {what}, got a bool among {value!r}")
     counts = value if isinstance(value, jax.Array) else _integers(value)
     if isinstance(counts, np.ndarray) and not counts.flags.c_contiguous:  # a view: copied
         counts = counts.copy(order="C")
@@ -123,8 +129,6 @@ def counts(operation: str, name: str, value: Any, size: int | None, per: str = "
         or not jnp.issubdtype(counts.dtype, jnp.integer)
         or (counts.shape != shape)
     ):
-        what = f"integers of shape ({size},), one per {per}"
-        what = "an integer scalar" if size is None else what
         raise TypeError(
             f"{operation}: {name} must be {what}, got {counts.dtype}{list(counts.shape)}"
         )
@@ -198,10 +202,18 @@ def arrays(operation: str, leaves: list[Any], op: ReduceOp | None = None) -> lis
     return leaves
 
 
+def _deleted(operation: str, name: str) -> RuntimeError:
+    return RuntimeError(
+        f"{operation}: {name} has been deleted (or donated to a jitted call): pass a live array"
+    )
+
+
 def rows(operation: str, x: Any) -> jax.Array:
     """x, the rows of a variable-size exchange (one array with a leading axis), as
     an array of a dtype jaxcomm can move."""
     if type(x) is ArrayImpl and x.shape and x.dtype in _SUPPORTED:  # as checked below
+        if x.is_deleted():
+            raise _deleted(operation, "x")
         return x
     if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, list)):
         raise TypeError(f"{operation}: x must be one array of rows, not a {type(x).__name__}")

@@ -313,6 +313,8 @@ def rows_key(primitive, x: Any, counts: Iterable[Any], comm, params: dict[str, A
                 return None, None
             key.append((count.dtype, count.shape))
         elif kind is ArrayImpl:
+            if count.is_deleted():  # the full path's checks name it
+                return None, None
             key.append((count.dtype, count.shape, count.sharding))
         elif kind is int:
             if count not in _INT64:

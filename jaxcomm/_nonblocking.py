@@ -339,9 +339,11 @@ def _start_jvp(operation):
         if not differentiable(x):
             outs = op.start.bind(x, *counts, **params)
             return outs, [zero_tangent(v) for v in outs]
-        # A variable-size primal makes a rank's error every rank's where its
-        # blocking form does (see _variable_size's JVP rules).
-        agree = op.kind.counts and _exchange(operation).errors_alone
+        # A variable-size primal raises a rank's error on every rank at the
+        # post, before any row moves (see _variable_size's JVP rules), not at a
+        # wait, which ranks may reach at different points of their programs.
+        # (iallgatherv's is every rank's already: C++ skips the agreement.)
+        agree = op.kind.counts
         outs = op.start.bind(x, *counts, **({**params, "agree": True} if agree else params))
         zeros = [zero_tangent(v) for v in outs]
         if op.kind.counts:  # the tangent's rows travel as x's, to counts now known

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from data import assert_values, rank_data
+from jax import lax
 from mpi4py import MPI
 from test_variable_size import capacity_for, expected, rows_of, skewed, uniform
 
@@ -24,6 +25,10 @@ def run(mode, fn, *args):
 
 def ialltoallv(comm):
     return lambda x, counts, **kw: comm.wait(comm.ialltoallv(x, counts, **kw))
+
+
+def iallgatherv(comm):
+    return lambda x, **kw: comm.wait(comm.iallgatherv(x, **kw))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -127,16 +132,19 @@ def test_counts_beyond_int32_are_refused_not_wrapped(comm, mode, value):
     comm.barrier()
 
 
-DERIVATIVES = ["jvp", "grad", "jit(grad)", "vjp", "jit(vjp)", "linearize"]
+DERIVATIVES = ["jvp", "grad", "jit(grad)", "vjp", "jit(vjp)", "linearize", "grad in a loop"]
+FORMS = ["alltoallv", "ialltoallv", "gatherv", "scatterv", "allgatherv", "iallgatherv"]
 
 
 @pytest.mark.parametrize("derivative", DERIVATIVES)
-@pytest.mark.parametrize("form", ["alltoallv", "ialltoallv", "gatherv", "scatterv", "allgatherv"])
+@pytest.mark.parametrize("form", FORMS)
 def test_derivative_of_an_overflow_on_one_rank(comm, derivative, form):
     """Under a derivative every rank raises at the primal exchange: the rank that
     overflows with its counts and capacity, the others naming it. Its tangent's or
     cotangent's exchange may run in another computation, or never (a vjp function
-    not called), so no rank may keep a result meanwhile. The ranks stay in step."""
+    not called), so no rank may keep a result meanwhile. A non-blocking form
+    raises at its post: ranks may reach its wait at different points (in a loop
+    here). The ranks stay in step."""
     if comm.size < 2:
         pytest.skip("needs a rank that does not overflow")
     culprit = 0 if form == "gatherv" else comm.size - 1  # gatherv: only the root receives
@@ -147,10 +155,11 @@ def test_derivative_of_an_overflow_on_one_rank(comm, derivative, form):
         x = jnp.asarray(rows_of(comm.rank, counts))
         exchange = comm.alltoallv if form == "alltoallv" else ialltoallv(comm)
         fn = lambda x: exchange(x, np.array(counts), capacity=capacity)[0]  # noqa: E731
-    elif form == "allgatherv":
+    elif form in ("allgatherv", "iallgatherv"):
         capacity = 2 * comm.size - (1 if short else 0)
         x = jnp.asarray(rank_data(comm.rank, (2, 2)))
-        fn = lambda x: comm.allgatherv(x, capacity=capacity)[0]  # noqa: E731
+        exchange = comm.allgatherv if form == "allgatherv" else iallgatherv(comm)
+        fn = lambda x: exchange(x, capacity=capacity)[0]  # noqa: E731
     elif form == "gatherv":
         capacity = 2 * comm.size - 1
         x = jnp.asarray(rank_data(comm.rank, (2, 2)))
@@ -170,10 +179,13 @@ def test_derivative_of_an_overflow_on_one_rank(comm, derivative, form):
         "vjp": lambda: jax.vjp(fn, x)[0],
         "jit(vjp)": lambda: jax.jit(lambda x: jax.vjp(fn, x)[0])(x),
         "linearize": lambda: jax.linearize(fn, x)[0],
+        "grad in a loop": lambda: jax.grad(
+            lambda x: lax.fori_loop(0, 2, lambda i, total: total + loss(x * (i + 1)), 0.0)
+        )(x),
     }
     if short:
         mine = r"capacity=|add up to more than x"
-    elif form == "allgatherv":
+    elif form in ("allgatherv", "iallgatherv"):
         mine = f"rank {culprit}.s capacity="
     else:
         mine = f"rank {culprit} refused its counts or received more rows than its capacity"

@@ -430,6 +430,10 @@ def test_variable_size_shortcut_keeps_the_checks_of_what_changed(comm, counts_ch
         comm.alltoallv(x, np.ones(comm.size + 1, np.int32), capacity=comm.size)
     with pytest.raises(TypeError, match=r"alltoallv: send_counts must be integers of shape"):
         comm.alltoallv(x, [True] * comm.size, capacity=comm.size)  # not Python ints
+    with pytest.raises(
+        TypeError, match=r"alltoallv: send_counts must be integers of shape .* bool"
+    ):
+        comm.alltoallv(x, [True] + [1] * (comm.size - 1), capacity=comm.size)  # True is no 1
     with pytest.raises(ValueError, match=r"alltoallv: capacity=-1 must be at least 0"):
         comm.alltoallv(x, np.ones(comm.size, np.int32), capacity=-1)
     with pytest.raises(TypeError, match=r"alltoallv: capacity must be an int, got bool"):
@@ -450,6 +454,28 @@ def test_variable_size_shortcut_keeps_the_checks_of_what_changed(comm, counts_ch
     assert_values(got, np.ones(comm.size, np.int32))
     _, got = comm.alltoallv(x, np.ones(2 * comm.size, np.int32)[::2], capacity=comm.size)
     assert_values(got, np.ones(comm.size, np.int32))
+    comm.barrier()
+
+
+@pytest.mark.parametrize("posted", [False, True], ids=["blocking", "posted"])
+def test_a_deleted_operand_of_a_variable_size_exchange_is_named(comm, posted):
+    """x or counts deleted (or donated), on the first call or after calls like it
+    (the shortcut): an error that names the operation and the argument, raised
+    before the exchange on every rank here."""
+    alltoallv = functools.partial(exchange, comm, "alltoallv", posted=posted)()
+    name = "ialltoallv" if posted else "alltoallv"
+    for repeated in (False, True):
+        x = jnp.ones((comm.size, 2))
+        counts = jnp.ones(comm.size, jnp.int32)
+        if repeated:
+            alltoallv(x, counts, capacity=comm.size)
+        x.delete()
+        with pytest.raises(RuntimeError, match=rf"{name}: x has been deleted \(or donated"):
+            alltoallv(x, counts, capacity=comm.size)
+        x = jnp.ones((comm.size, 2))
+        counts.delete()
+        with pytest.raises(RuntimeError, match=rf"{name}: send_counts has been deleted"):
+            alltoallv(x, counts, capacity=comm.size)
     comm.barrier()
 
 
