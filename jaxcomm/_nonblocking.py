@@ -343,8 +343,8 @@ def _start_jvp(operation):
         # post, before any row moves (see _variable_size's JVP rules), not at a
         # wait, which ranks may reach at different points of their programs.
         # (iallgatherv's is every rank's already: C++ skips the agreement.)
-        agree = op.kind.counts
-        outs = op.start.bind(x, *counts, **({**params, "agree": True} if agree else params))
+        agreed = {**params, "agree": True} if op.kind.counts else params
+        outs = op.start.bind(x, *counts, **agreed)
         zeros = [zero_tangent(v) for v in outs]
         if op.kind.counts:  # the tangent's rows travel as x's, to counts now known
             dots = op.start.bind(
