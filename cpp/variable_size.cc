@@ -419,21 +419,26 @@ class Rows {
     return invalid_argument(call_.operation(), why);
   }
 
-  // `own`, this rank's outcome, or with `agree` whether any rank's failed, learnt
-  // by every rank (one MPI_Allreduce) before a row moves, so that all raise: a
+  // This rank's `outcome`, or with `agree` whether any rank's failed, learnt by
+  // every rank (one MPI_Allreduce) before a row moves, so that all raise: a
   // derivative's later exchanges (the tangent's, the cotangent's) may run in
   // another computation, or never, and no rank may keep a wrong result meanwhile.
-  ffi::Error shared(ffi::Error own, bool agree) {
+  ffi::Error agreed_outcome(const Counts& sent, bool padded, const Counts& received, bool agree) {
+    ffi::Error own = outcome(sent, padded, received);
     if (!agree) return own;
+    // The first rank that failed, and how: 2 * rank, plus 1 for rows beyond its
+    // capacity (outcome's error where the counts themselves were valid).
     const int size = comm_size(comm_);
-    int first = own.failure() ? comm_rank(comm_) : size;
+    const bool overflow = padded || (sent.valid() && received.valid());
+    int first = own.failure() ? 2 * comm_rank(comm_) + (overflow ? 1 : 0) : 2 * size;
     JAXCOMM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &first, 1, MPI_INT, MPI_MIN, comm_),
                       call_.operation(), comm_);
-    if (first == size) return ffi::Error::Success();
+    if (first == 2 * size) return ffi::Error::Success();
     if (own.failure()) return on_every_rank(std::move(own));
-    return on_every_rank(refuse("rank " + std::to_string(first) +
-                                " refused its counts or received more rows than its capacity; "
-                                "under a derivative every rank raises with it"));
+    const std::string rank = "rank " + std::to_string(first / 2);
+    return on_every_rank(refuse((first % 2 ? rank + " received more rows than its capacity"
+                                           : rank + "'s counts were refused") +
+                                "; under a derivative every rank raises with it"));
   }
 
   // Whether the rows `received` (per member) fit the result.
@@ -756,7 +761,7 @@ ffi::Error exchange_rows(bool neighbors, const Buffer& x, const Buffer& send_cou
   const Counts& sent = sent_counts(*own, counting, padded);
   const Counts& received = *received_counts;
   if (auto err = rows.fit(sent.total(), received.total()); err.failure()) return err;
-  auto error = rows.shared(rows.outcome(*own, pads(*own, counting), received), agree);
+  auto error = rows.agreed_outcome(*own, pads(*own, counting), received, agree);
   if (agree && error.failure()) return error;
   const Sending from = sending(rows, x, *own, counting);
   Transfer t(call, comm_key, rows, x, from, received, out, request);
@@ -897,10 +902,10 @@ ffi::Error gather_rows(Call& call, bool neighbors, const Buffer& x, const Buffer
   const Counts& arriving = receives ? received : *none;
   if (auto err = rows.fit(sent.total(), arriving.total()); err.failure()) return err;
   // Off the root the counts output holds this rank's own count (received).
-  auto error = rows.outcome(own, pads(own, counting), arriving);
+  // allgatherv's error is every rank's already (everyone_fails): no agreement.
+  auto error = rows.agreed_outcome(own, pads(own, counting), arriving, agree && !replicated);
   if (!everyone_fails.empty())  // then every rank fails: with its own error, or this one
     error = on_every_rank(error.success() ? rows.refuse(everyone_fails) : std::move(error));
-  if (!replicated) error = rows.shared(std::move(error), agree);  // (else every rank's already)
   if (agree && error.failure()) return error;
   const Sending from = sending(rows, x, own, counting);
   Transfer t(call, comm_key, rows, x, from, arriving, out, request);
@@ -988,7 +993,7 @@ ffi::Error scatter_rows(const Buffer& x, const Buffer& counts, const Buffer& giv
     return err;
   const Counts& received = *received_list;
   if (auto err = rows.fit(sent.total(), received.total()); err.failure()) return err;
-  auto error = rows.shared(rows.outcome(*own, pads(*own, counting), received), agree);
+  auto error = rows.agreed_outcome(*own, pads(*own, counting), received, agree);
   if (agree && error.failure()) return error;
   const Sending from = is_root ? sending(rows, x, *own, counting)
                                : Sending{static_cast<const char*>(x.untyped_data()), {}};

@@ -188,9 +188,33 @@ def test_derivative_of_an_overflow_on_one_rank(comm, derivative, form):
     elif form in ("allgatherv", "iallgatherv"):
         mine = f"rank {culprit}.s capacity="
     else:
-        mine = f"rank {culprit} refused its counts or received more rows than its capacity"
+        mine = f"rank {culprit} received more rows than its capacity; under a derivative every"
     with pytest.raises(Exception, match=mine):
         jax.block_until_ready(calls[derivative]())
+    assert float(comm.allreduce(jnp.ones(()))) == comm.size  # still in step
+
+
+@pytest.mark.parametrize("derivative", ["grad", "vjp"])
+def test_derivative_of_a_refused_count_on_one_rank(comm, derivative):
+    """Under a derivative the others name the rank whose counts were refused."""
+    if comm.size < 2:
+        pytest.skip("needs a rank whose counts are valid")
+    culprit = comm.size - 1
+    counts = np.ones(comm.size, np.int32)
+    if comm.rank == culprit:
+        counts[0] = -1
+    x = jnp.asarray(rank_data(comm.rank, (comm.size, 2)))
+    fn = lambda x: comm.alltoallv(x, counts, capacity=comm.size)[0]  # noqa: E731
+    run = {
+        "grad": lambda: jax.grad(lambda x: jnp.sum(fn(x) ** 2))(x),
+        "vjp": lambda: jax.vjp(fn, x)[0],
+    }[derivative]
+    if comm.rank == culprit:
+        wanted = r"alltoallv: send_counts=\[-1, .*must be counts of rows"
+    else:
+        wanted = rf"alltoallv: rank {culprit}.s counts were refused; under a derivative"
+    with pytest.raises(Exception, match=wanted):
+        jax.block_until_ready(run())
     assert float(comm.allreduce(jnp.ones(()))) == comm.size  # still in step
 
 
