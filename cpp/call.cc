@@ -68,15 +68,8 @@ void watchdog_loop(double timeout) {
                           " has been waiting in " + w.current + timing +
                           "; last completed call: " + w.last +
                           ". A peer has not made the matching call. Aborting the job.\n";
-    std::fputs(message.c_str(), stderr);
-    std::fflush(stderr);
     lock.unlock();
-    // The message is in the pipe to mpiexec, not yet on the user's terminal;
-    // MPI_Abort tears the job down at once, and a launcher busy elsewhere can
-    // lose what it had not forwarded.
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
-    MPI_Abort(MPI_COMM_WORLD, 1);
-    std::_Exit(1);  // in case MPI_Abort returns
+    end_job(message);
   }
 }
 

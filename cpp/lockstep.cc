@@ -4,11 +4,13 @@
 #include <mpi.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "call.h"
@@ -94,12 +96,19 @@ void diverge(std::string why) {
     s.diverged.store(true, std::memory_order_release);
   }
   if (!s.end_job.load(std::memory_order_acquire)) return;
-  std::fprintf(stderr,
-               "jaxcomm: rank %d ends the job: it is out of step with its peers (%s), and JAX's "
-               "own collectives in shard_map, which jaxcomm cannot refuse, would pair with the "
-               "wrong calls of its peers.\n",
-               world_rank(), why.c_str());
+  end_job("jaxcomm: rank " + std::to_string(world_rank()) +
+          " ends the job: it is out of step with its peers (" + why +
+          "), and JAX's own collectives in shard_map, which jaxcomm cannot refuse, would pair "
+          "with the wrong calls of its peers.\n");
+}
+
+void end_job(const std::string& message) {
+  std::fputs(message.c_str(), stderr);
   std::fflush(stderr);
+  // The message is in the pipe to the launcher, not yet on the user's terminal;
+  // MPI_Abort tears the job down at once, and a launcher busy elsewhere (a
+  // loaded node) loses what it has not forwarded yet.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
   MPI_Abort(MPI_COMM_WORLD, 1);
   std::_Exit(1);  // MPI_Abort may return while the launcher ends the job
 }

@@ -70,6 +70,10 @@ void diverge(std::string why);
 // several processes, where a failed computation also skips JAX's own
 // collectives, which jaxcomm cannot refuse.
 void end_job_when_out_of_step();
+
+// Writes `message` to stderr and ends the job (MPI_Abort), after a pause that
+// lets the launcher forward the message.
+[[noreturn]] void end_job(const std::string& message);
 // Whether this rank is in step. Every wrapper asks first, before the operation
 // starts, and if not returns the error that refuses `operation`.
 bool in_step();
