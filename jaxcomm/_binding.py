@@ -178,9 +178,12 @@ def include_dirs(library: Library) -> list[str]:
     if any(Path(d, "mpi.h").exists() for d in recorded):
         return recorded
     for lib in (Path(library.path), Path(library.path).resolve()):
-        include = lib.parent.parent / "include"
-        if (include / "mpi.h").exists():
-            return [str(include)]
+        # <prefix>/lib/libmpi.so: <prefix>/include; Debian's libdir/libmpich.so.12:
+        # libdir/mpich/include.
+        name = lib.name.split(".so")[0].removeprefix("lib")
+        for include in (lib.parent.parent / "include", lib.parent / name / "include"):
+            if (include / "mpi.h").exists():
+                return [str(include)]
     raise RuntimeError(
         f"jaxcomm: no mpi.h found for the MPI library {library}: install its development "
         "headers, and add their folder (`mpicc -show` shows it) to the include directories"
