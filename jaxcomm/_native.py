@@ -20,11 +20,11 @@ def _load():
     cpu = _binding.load("_jaxcomm_cpu", library)
     # Bound by construction; checked once, as a guard against another MPI loaded
     # RTLD_GLOBAL before mpi4py's, whose symbols would come first.
-    ours = cpu.mpi_library_version().strip()
-    if not cpu.mpi_initialized() or ours != MPI.Get_library_version().replace("\x00", "").strip():
+    ours = cpu.mpi_library_version().strip().splitlines()[0].strip()
+    if not cpu.mpi_initialized() or ours != library.version:
         raise MPILibraryMismatchError(
             "jaxcomm's extension resolved its MPI calls to another MPI library than "
-            f"mpi4py's {library}: it sees {ours.splitlines()[0]!r} (initialised: "
+            f"mpi4py's {library}: it sees {ours!r} (initialised: "
             f"{cpu.mpi_initialized()}). Another MPI library is loaded in this process "
             "with global symbols; load only the one mpi4py uses."
         )
