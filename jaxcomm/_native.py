@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+from pathlib import Path
 
 import jax
 from mpi4py import MPI  # initialises MPI and loads libmpi before our extension
@@ -42,9 +43,12 @@ def _load():
 
 
 def jax_has_cuda() -> bool:
-    """Whether JAX can have a CUDA backend here (its CUDA plugin is installed),
-    found without starting JAX's backends (jax.distributed must come first)."""
-    return any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
+    """Whether JAX has a CUDA backend here: its CUDA plugin is installed and an
+    NVIDIA driver is loaded. Found without starting JAX's backends
+    (jax.distributed must come first) and without touching the plugin, which
+    logs that it found no driver on a machine without a GPU."""
+    driver = Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
+    return driver and any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
 
 
 def _load_cuda(cpu):
