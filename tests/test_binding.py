@@ -52,19 +52,19 @@ def test_no_build_links_or_finds_an_mpi_library():
 PROBE = """
 import ctypes, os, jaxcomm, jax.numpy as jnp
 from jaxcomm import _native
-# Every loaded shared object that defines MPI_Init, by its file.
+from jaxcomm._binding import _defining_file
+# The files that define MPI_Init, as the symbol is found from each loaded shared
+# object (itself or its dependencies: Open MPI's plugins find libmpi's).
 defining = set()
-for line in open("/proc/self/maps"):
-    path = line.split()[-1]
-    if ".so" in os.path.basename(path) and path not in defining:
+for path in {line.split()[-1] for line in open("/proc/self/maps")}:
+    if ".so" in os.path.basename(path):
         try:
             library = ctypes.CDLL(path, os.RTLD_NOLOAD | os.RTLD_LAZY)
         except OSError:
             continue
-        if hasattr(library, "MPI_Init") and not hasattr(library, "PyInit__jaxcomm_cpu"):
-            defining.add(os.path.realpath(path))
-mpi_libraries = {p for p in defining if "mpi4py" not in p and "jaxcomm" not in p}
-print(sorted(mpi_libraries))
+        if hasattr(library, "MPI_Init"):
+            defining.add(os.path.realpath(_defining_file(library.MPI_Init)))
+print(sorted(defining))
 print(_native.library.path, _native.library.family, _native.cpu.MPI_FAMILY)
 print(float(jaxcomm.JaxComm().allreduce(jnp.ones(3)).sum()))
 """
