@@ -9,6 +9,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <utility>
@@ -70,7 +71,8 @@ std::string library_version() {
   char text[MPI_MAX_LIBRARY_VERSION_STRING];
   int length = 0;
   MPI_Get_library_version(text, &length);
-  return std::string(text, static_cast<size_t>(length));
+  // Some libraries count the terminating NUL in `length`: the text ends at it.
+  return std::string(text, strnlen(text, static_cast<size_t>(length)));
 }
 
 bool initialized() {
@@ -124,9 +126,9 @@ NB_MODULE(_jaxcomm_cpu, m) {
   m.def("unfinished_orphans", &jaxcomm::mpi::unfinished_orphans,
         "Drop every request still pending; how many MPI has not completed yet.");
   m.def("mpi_library_version", &library_version,
-        "MPI_Get_library_version of the libmpi this module is linked to.");
+        "MPI_Get_library_version of the libmpi this module is bound to.");
   m.def("mpi_initialized", &initialized,
-        "MPI_Initialized as seen by the libmpi this module is linked to.");
+        "MPI_Initialized as seen by the libmpi this module is bound to.");
   m.def("configure", &jaxcomm::configure, nb::arg("debug"), nb::arg("timeout"),
         "JAXCOMM_DEBUG and JAXCOMM_TIMEOUT, read by jaxcomm._settings.");
   m.def("register_comm", &jaxcomm::register_comm, nb::arg("key"), nb::arg("handle"),
@@ -154,4 +156,5 @@ NB_MODULE(_jaxcomm_cpu, m) {
   m.def("call_count", &jaxcomm::call_count,
         "How many times a handler has called into MPI in this process.");
   m.attr("MPI_VERSION") = MPI_VERSION;
+  m.attr("MPI_FAMILY") = JAXCOMM_MPI_FAMILY;  // the ABI family of the headers (CMakeLists.txt)
 }

@@ -14,6 +14,15 @@ communicator, or None for COMM_WORLD), so mpi4jax code ports with
 
 from __future__ import annotations
 
+from jaxcomm import _binding
+
+if _binding.started_as_main():
+    # `python -m jaxcomm` diagnoses an install whose extension may not load: it
+    # reports here, before the imports below load the extension.
+    from jaxcomm._diagnosis import main
+
+    raise SystemExit(main())
+
 import atexit
 import functools
 import os

@@ -8,8 +8,6 @@ communicator as the attributes ``comm`` (int64 MPI_Comm handle), ``rank`` and
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -132,19 +130,8 @@ def build_flags() -> dict[str, list[str]]:
     """Include directories and the MPI library for compiling a kernel against jaxcomm.
 
     {"include_dirs": [jaxcomm's header dir, XLA FFI headers, mpi.h's dir],
-     "libraries": [the libmpi jaxcomm links]}.
+     "libraries": [the libmpi that mpi4py loaded, to which jaxcomm is bound]}.
     """
-    from jaxcomm import _build_config
+    from jaxcomm import _diagnosis, _native
 
-    package = os.path.dirname(__file__)
-    mpi_include = [d for d in _build_config.MPI_INCLUDE_DIRS if os.path.isdir(d)]
-    mpi_library = _build_config.MPI_LIBRARY
-    if not mpi_include or not os.path.exists(mpi_library):
-        # Built against the mpich wheel of an isolated build environment, since
-        # removed: the same wheel is installed in this environment.
-        mpi_include = [os.path.join(sys.prefix, "include")]
-        mpi_library = os.path.join(sys.prefix, "lib", "libmpi.so")
-    return {
-        "include_dirs": [os.path.join(package, "include"), jax.ffi.include_dir(), *mpi_include],
-        "libraries": [mpi_library],
-    }
+    return _diagnosis.flags(_native.library)

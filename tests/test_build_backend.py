@@ -1,0 +1,126 @@
+"""The build's two early decisions (build_backend/): which MPI headers each build
+uses, and whether the C++ compiler will do, each failing with the fix named."""
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "build_backend"))
+import cxx_check
+import mpi_choice
+
+CXX = [shutil.which("c++") or "c++"]  # by its path: the tests empty PATH
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None, reason="no c++")
+
+
+def only(prefix: Path):
+    """_distribution_prefix as in a build environment holding the mpich wheel at prefix."""
+    return lambda name: prefix if name == "mpich" else None
+
+
+def fake_wrapper(folder: Path, include: Path) -> Path:
+    """An `mpicc` whose -show names `include`, as MPICH's and Open MPI's do."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wrapper = folder / "mpicc"
+    wrapper.write_text(f"#!/bin/sh\necho cc -I{include} -L/nowhere -lmpi\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def headers(folder: Path, macro: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "mpi.h").write_text(f"#define {macro} 1\n#define MPI_VERSION 3\n")
+    return folder
+
+
+@pytest.fixture
+def clean(monkeypatch, tmp_path):
+    """No MPI named, none installed in the target environment, an empty PATH."""
+    for name in ("MPI_HOME", "MPICC", "VIRTUAL_ENV", "JAXCOMM_MPI_HEADERS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(mpi_choice.sys, "prefix", str(tmp_path / "target"))
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.setattr(mpi_choice, "_distribution_prefix", lambda name: None)
+    return monkeypatch
+
+
+@needs_compiler
+def test_the_build_environments_mpicc_is_never_the_system(clean, tmp_path):
+    """pip puts its build requirements' bin/ first on PATH: their mpicc is skipped,
+    and their mpich headers serve the MPICH ABI beside the system's Open MPI."""
+    requirement = tmp_path / "pip-build-env"
+    fake_wrapper(requirement / "bin", headers(requirement / "include", "MPICH_VERSION"))
+    system = tmp_path / "usr"
+    fake_wrapper(system / "bin", headers(system / "include", "OPEN_MPI"))
+    clean.setattr(
+        mpi_choice, "_distribution_prefix", lambda n: requirement if n == "mpich" else None
+    )
+    clean.setenv("PATH", f"{requirement / 'bin'}{os.pathsep}{system / 'bin'}")
+    builds = mpi_choice.choose(CXX)
+    assert [b.family for b in builds] == ["openmpi", "mpich"]
+    assert builds[0].include_dirs == [str(system / "include")]
+    assert builds[0].origin.startswith("mpicc on PATH")
+    assert builds[1].origin == "the mpich wheel among the build requirements"
+
+
+@needs_compiler
+def test_a_named_mpi_is_built_alone(clean, tmp_path):
+    requirement = tmp_path / "pip-build-env"
+    headers(requirement / "include", "MPICH_VERSION")
+    clean.setattr(
+        mpi_choice, "_distribution_prefix", lambda n: requirement if n == "mpich" else None
+    )
+    clean.setenv(
+        "MPICC", str(fake_wrapper(tmp_path / "ompi", headers(tmp_path / "inc", "OPEN_MPI")))
+    )
+    assert [b.family for b in mpi_choice.choose(CXX)] == ["openmpi"]
+    clean.delenv("MPICC")
+    home = tmp_path / "home"
+    headers(home / "include", "OPEN_MPI")
+    assert [b.family for b in mpi_choice.choose(CXX, mpi_home=str(home))] == ["openmpi"]
+
+
+def test_no_mpi_stops_the_build_naming_what_it_tried(clean):
+    with pytest.raises(mpi_choice.NoMPIError) as error:
+        mpi_choice.choose(CXX)
+    message = str(error.value)
+    for tried in ("MPI_HOME", "MPICC", "mpicc on PATH", "the mpich wheel"):
+        assert tried in message
+    assert "MPICC=/path/to/mpicc" in message and 'pip install ".[mpich]"' in message
+
+
+@needs_compiler
+def test_headers_of_no_mpi_family_are_refused(clean, tmp_path):
+    home = tmp_path / "home"
+    headers(home / "include", "SOMETHING_ELSE")
+    with pytest.raises(mpi_choice.NoMPIError, match="not MPICH's, Open MPI's or the MPI-5"):
+        mpi_choice.choose(CXX, mpi_home=str(home))
+    with pytest.raises(mpi_choice.NoMPIError, match="holds openmpi, not mpich"):
+        mpi_choice.choose(CXX, headers=f"mpich={headers(tmp_path / 'o', 'OPEN_MPI')}")
+
+
+def test_a_missing_compiler_is_named_with_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "/no/compiler")
+    with pytest.raises(cxx_check.CompilerError, match="CXX=/no/compiler is not a program"):
+        cxx_check.check()
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(cxx_check.CompilerError, match=r"No C\+\+ compiler on PATH") as error:
+        cxx_check.check()
+    assert "apt-get install g++" in str(error.value) and "set CXX" in str(error.value)
+
+
+@needs_compiler
+def test_a_compiler_without_cxx20_is_refused(monkeypatch, tmp_path):
+    """An old compiler, as one that knows no -std=c++20 and fails the probe."""
+    old = tmp_path / "g++-9"
+    old.write_text("#!/bin/sh\necho \"error: unrecognized '-std=c++20'\" >&2\nexit 1\n")
+    old.chmod(0o755)
+    monkeypatch.setenv("CXX", str(old))
+    with pytest.raises(cxx_check.CompilerError, match="cannot compile jaxcomm's C\\+\\+20"):
+        cxx_check.check()
+    monkeypatch.setenv("CXX", CXX[0])
+    assert cxx_check.check() == CXX
