@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mpirun import failure_summary, run
+from mpirun import failure_summary, run, run_tests, run_watched
 
 HERE = Path(__file__).parent
 
@@ -78,7 +78,9 @@ def sanitized(tmp_path_factory) -> Path:
         *("-Ccmake.define.JAXCOMM_SANITIZE=ON", "-Cinstall.strip=false"),
         str(HERE.parent),
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    # Ended only when the build stops writing files: no step (a compile under ASan)
+    # takes ten minutes, however loaded the machine.
+    result = run_watched(command, build, stall=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return package
 
@@ -109,7 +111,7 @@ def test_mpi_suite_under_address_and_undefined_behaviour_sanitizers(sanitized, t
     args += ["-m", "not slow", "-k", SELECTED]
     # Unbuffered: a summary printed before a rank hangs at exit still shows.
     env = {"JAXCOMM_TEST_RANKS": "2", "PYTHONUNBUFFERED": "1", **env}
-    result = run(2, args, timeout=900, env=env)
+    result = run_tests(2, args, env=env)
     summary, found = reports(tmp_path)
     # On one line beside the test's name, where a shortened log keeps it.
     outcome = "" if result.returncode == 0 else f"; {summary or failure_summary(result)}"

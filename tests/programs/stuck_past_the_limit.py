@@ -1,13 +1,19 @@
 """A test that outlives tests/mpi/conftest.py's per-test limit: test_faults.py runs
-it under that conftest with JAXCOMM_TEST_TIMEOUT=2. Rank 0 sleeps; the other
-ranks pass and wait for it at exit, outside any test, so that only rank 0 writes
-its stacks (two ranks' stacks written at once interleave on mpiexec's stderr)."""
+it under that conftest with JAXCOMM_TEST_TIMEOUT=2. Rank 0 is stuck without
+making MPI calls; rank 1 goes on making them, which is progress, so only rank 0
+reports, and rank 1's stacks come when rank 0 asks for them."""
 
-import time
+import threading
 
+import jax.numpy as jnp
 from mpi4py import MPI
 
+from jaxcomm import JaxComm
 
-def test_rank_0_sleeps_past_the_limit():
+
+def test_rank_0_is_stuck_past_the_limit():
+    alone = JaxComm(MPI.COMM_SELF)
     if MPI.COMM_WORLD.rank == 0:
-        time.sleep(120)
+        threading.Event().wait()
+    while True:
+        alone.allreduce(jnp.ones(1))
