@@ -99,8 +99,8 @@ def run_tests(
 def run_watched(
     command: list[str], watched: Path, stall: float, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """Run `command` in environment `env` (None: this one) until it ends, or until no file
-    in `watched` (or below it) has changed for `stall` seconds: then the
+    """Run `command` in environment `env` (None: this one) until it ends, or until
+    nothing in `watched` (or below it) has changed for `stall` seconds: then the
     processes that wrote their ids there (a journal's "pid N" line) are asked for
     their stacks, and the command's process group is killed. The result's
     `stalled` says why it was, else it is empty."""
@@ -129,7 +129,10 @@ def run_watched(
 
 def newest_change(folder: Path) -> float | None:
     """The latest modification time of a file in `folder` or below, or None."""
-    times = [path.stat().st_mtime for path in folder.rglob("*") if path.is_file()]
+    times = []
+    for path in folder.rglob("*"):
+        with contextlib.suppress(OSError):  # gone meanwhile (a build's temporary file)
+            times.append(path.stat().st_mtime)
     return max(times, default=None)
 
 
