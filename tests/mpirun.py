@@ -150,7 +150,7 @@ def rank_outputs(
     nprocs: int,
     script: str,
     *args: str,
-    timeout: float = 300,
+    timeout: float = 300,  # the examples and snippets take seconds; past 5 min, hung
     env: dict[str, str] | None = None,
 ) -> list[str]:
     """Run `python script args...` on nprocs ranks; each rank's stdout, in rank order
