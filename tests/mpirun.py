@@ -83,12 +83,16 @@ def run_tests(
     for as long as it makes progress: ended only when no rank's journal
     (progress.py) has changed for `stall` seconds, after every rank has written
     its stacks. Each rank's stacks, if it wrote any, follow stderr under its
-    rank's name."""
+    rank's name, as does a failed test's report that mpiexec did not forward."""
     with tempfile.TemporaryDirectory() as folder:
         env = {**(env or {}), progress.FOLDER: folder}
         command, full_env = launch_command(nprocs, args), launch_environment(env)
         result = run_watched(command, Path(folder), stall, full_env)
         for rank in range(nprocs):
+            failure = progress.failure_path(folder, rank)
+            text = failure.read_text(errors="replace") if failure.exists() else ""
+            if text and text not in result.stderr:  # mpiexec did not forward it
+                result.stderr += f"\n{text}"
             stacks = progress.stacks_path(folder, rank)
             text = stacks.read_text(errors="replace") if stacks.exists() else ""
             if text:

@@ -6,8 +6,9 @@ has stopped making progress, whether it takes one minute or two hours.
 
 Every rank of a run of tests/mpi (tests/mpi/conftest.py) keeps a journal, the
 file `rank-R` in the folder that JAXCOMM_TEST_PROGRESS names: its process id,
-then one line per test it finishes; its watchdog also touches it whenever the
-rank has started an MPI call since the last look. The launcher watches the
+then one line per test it finishes (a failed test's report in `rank-R.failure`);
+its watchdog also touches it whenever the rank has started an MPI call since
+the last look. The launcher watches the
 folder's files: while any of them changes, the run goes on. A process that gets
 STACKS_SIGNAL writes every thread's stack to `rank-R.stacks` and ends, so that a
 report shows where each rank was, under its rank's name.
@@ -63,18 +64,28 @@ def stacks_path(folder: str | Path, rank: int) -> Path:
     return Path(folder) / f"rank-{rank}.stacks"
 
 
+def failure_path(folder: str | Path, rank: int) -> Path:
+    return Path(folder) / f"rank-{rank}.failure"
+
+
 class Journal:
     """A rank's side: its journal, if the launcher gave a folder."""
 
     def __init__(self, rank: int):
         folder = os.environ.get(FOLDER)
+        self.rank = rank
         self.path = journal_path(folder, rank) if folder else None
         self.stacks = stacks_path(folder, rank) if folder else None
         if self.path:
             self.path.write_text(f"pid {os.getpid()}\n")
 
-    def finished(self, nodeid: str, outcome: str) -> None:
+    def finished(self, nodeid: str, outcome: str, report: str = "") -> None:
+        """A test (its teardown) finished; a failed one's `report` goes beside the
+        journal, where the launcher reads it even if the job is aborted before
+        mpiexec has forwarded the rank's stderr."""
         if self.path:
+            if report:
+                failure_path(self.path.parent, self.rank).write_text(report)
             with self.path.open("a") as journal:
                 journal.write(f"{outcome} {nodeid}\n")
 

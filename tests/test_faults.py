@@ -458,17 +458,45 @@ def test_environment_variables_mean_what_they_say(tmp_path):
     assert "jaxcomm[" not in result.stderr  # no debug log
 
 
+def inner_suite(tmp_path, program: str) -> list[str]:
+    """pytest's arguments for tests/programs/`program` under tests/mpi's conftest
+    (copied beside it with what it imports)."""
+    tests = Path(__file__).parent
+    for helper in [*(tests / "mpi").glob("*.py"), tests / "progress.py"]:
+        if not helper.name.startswith("test_"):
+            shutil.copy(helper, tmp_path)
+    inner = shutil.copy(tests / "programs" / program, tmp_path)
+    return ["-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={tmp_path}", inner]
+
+
+# Runs pytest with rank 1's stderr thrown away (PMI_RANK: MPICH; the other: Open MPI).
+WITHOUT_STDERR_ON_RANK_1 = (
+    "import os, sys, pytest\n"
+    "if (os.environ.get('PMI_RANK') or os.environ.get('OMPI_COMM_WORLD_RANK')) == '1':\n"
+    "    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)\n"
+    "sys.exit(pytest.main(sys.argv[1:]))"
+)
+
+
+def test_a_failed_test_is_named_with_its_rank(tmp_path):
+    """A rank whose test fails names it, with pytest's report, and aborts the job;
+    the report reaches the launcher through the journal folder even when the
+    rank's stderr does not (an abort can be faster than mpiexec's forwarding;
+    here rank 1's stderr goes nowhere)."""
+    args = inner_suite(tmp_path, "fails_on_rank_1.py")
+    result = run_tests(2, ["-c", WITHOUT_STDERR_ON_RANK_1, *args[2:]])
+    assert result.returncode != 0 and not result.stalled
+    test = "fails_on_rank_1.py::test_rank_1_fails"
+    assert failure_summary(result) == f"rank 1: {test} failed", result.stderr
+    assert "AssertionError: rank 1 fails here" in result.stderr, result.stderr
+
+
 def test_a_test_past_its_time_limit_is_named_with_every_ranks_stacks(tmp_path):
     """tests/mpi/conftest.py's per-test limit: the rank whose test makes no progress
     writes the test's name, its rank and every thread's stack to mpiexec's stderr,
     where test_mpiexec.py's failure message shows them; the other rank, still
     making MPI calls (progress), is not cut, and writes its stacks when asked."""
-    tests = Path(__file__).parent
-    for helper in [*(tests / "mpi").glob("*.py"), tests / "progress.py"]:
-        if not helper.name.startswith("test_"):  # conftest.py and what it imports
-            shutil.copy(helper, tmp_path)
-    inner = shutil.copy(tests / "programs" / "stuck_past_the_limit.py", tmp_path)
-    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={tmp_path}", inner]
+    args = inner_suite(tmp_path, "stuck_past_the_limit.py")
     result = run_tests(2, args, env={"JAXCOMM_TEST_TIMEOUT": "2"})
     assert not result.stalled, result.stderr
     test = "stuck_past_the_limit.py::test_rank_0_is_stuck_past_the_limit"

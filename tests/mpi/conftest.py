@@ -181,13 +181,13 @@ def graphs(comm):
 
 
 def pytest_runtest_logreport(report):
-    if report.when == "teardown" or report.failed:
-        journal.finished(report.nodeid, report.outcome if report.failed else "done")
+    if report.when == "teardown" and not report.failed:
+        journal.finished(report.nodeid, "done")
     # A failure on one rank would leave the others waiting in a collective: abort.
     if report.failed:
+        failure = f"rank {MPI.COMM_WORLD.rank}: {report.nodeid} failed\n{report.longreprtext}\n"
+        journal.finished(report.nodeid, "failed", failure)
         sys.stdout.flush()
-        sys.stderr.write(
-            f"rank {MPI.COMM_WORLD.rank}: {report.nodeid} failed\n{report.longreprtext}\n"
-        )
+        sys.stderr.write(failure)
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
