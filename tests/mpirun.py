@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import progress
 
 
 def mpiexec() -> str:
@@ -42,30 +47,114 @@ def launch_environment(env: dict[str, str] | None = None) -> dict[str, str]:
     return full_env
 
 
-def run(nprocs: int, args: list[str], timeout: float, env: dict[str, str] | None = None):
-    """Run `python args...` on nprocs ranks under launch_environment(env).
-
-    Past `timeout` seconds the job is killed with SIGKILL, launcher and ranks
-    (coreutils `timeout` signals its process group): a process of
-    jax.distributed may ignore SIGTERM, and a launcher killed alone can leave
-    its ranks running."""
+def launch_command(nprocs: int, args: list[str]) -> list[str]:
+    """mpiexec running `python args...` on nprocs ranks."""
     launcher = mpiexec()
     command = [launcher, "-n", str(nprocs)]
     if is_open_mpi(launcher):
         command.append("--oversubscribe")
+    return [*command, sys.executable, *args]
+
+
+def run(nprocs: int, args: list[str], timeout: float, env: dict[str, str] | None = None):
+    """Run `python args...` on nprocs ranks under launch_environment(env): a
+    program of a few steps, which tells no one of its progress.
+
+    Past `timeout` seconds the job is killed with SIGKILL, launcher and ranks
+    (coreutils `timeout` signals its process group): a process of
+    jax.distributed may ignore SIGTERM, and a launcher killed alone can leave
+    its ranks running. Callers set `timeout` to catch a hang, many times what
+    the program takes on a loaded machine; a run of tests uses run_tests."""
+    command = launch_command(nprocs, args)
     full_env = launch_environment(env)
-    command += [sys.executable, *args]
     if shutil.which("timeout"):
         command = ["timeout", "-s", "KILL", f"{timeout:g}", *command]
         timeout += 60  # subprocess's own limit, should `timeout` itself hang
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
+def run_tests(
+    nprocs: int,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    stall: float = progress.STALL_LIMIT,
+) -> subprocess.CompletedProcess:
+    """Run pytest (`args` after `python`) in tests/mpi's conftest on nprocs ranks,
+    for as long as it makes progress: ended only when no rank's journal
+    (progress.py) has changed for `stall` seconds, after every rank has written
+    its stacks. Each rank's stacks, if it wrote any, follow stderr under its
+    rank's name, as does a failed test's report that mpiexec did not forward."""
+    with tempfile.TemporaryDirectory() as folder:
+        env = {**(env or {}), progress.FOLDER: folder}
+        command, full_env = launch_command(nprocs, args), launch_environment(env)
+        result = run_watched(command, Path(folder), stall, full_env)
+        for rank in range(nprocs):
+            failure = progress.failure_path(folder, rank)
+            text = failure.read_text(errors="replace") if failure.exists() else ""
+            if text and text not in result.stderr:  # mpiexec did not forward it
+                result.stderr += f"\n{text}"
+            stacks = progress.stacks_path(folder, rank)
+            text = stacks.read_text(errors="replace") if stacks.exists() else ""
+            if text:
+                result.stderr += f"\n--- rank {rank}'s stacks:\n{text}"
+        return result
+
+
+def run_watched(
+    command: list[str], watched: Path, stall: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run `command` in environment `env` (None: this one) until it ends, or until
+    nothing in `watched` (or below it) has changed for `stall` seconds: then the
+    processes that wrote their ids there (a journal's "pid N" line) are asked for
+    their stacks, and the command's process group is killed. The result's
+    `stalled` says why it was, else it is empty."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        job = subprocess.Popen(
+            command, stdout=out, stderr=err, text=True, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+        last, newest, stalled = time.monotonic(), newest_change(watched), ""
+        while job.poll() is None:
+            if (changed := newest_change(watched)) != newest:
+                last, newest = time.monotonic(), changed
+            elif time.monotonic() - last > stall:
+                stalled = f"no progress for {stall:g} s (nothing in {watched} changed): ended"
+                progress.ask_for_stacks(journal_pids(watched))
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                job.wait(timeout=min(5.0, stall / 10))
+        out.seek(0), err.seek(0)
+        result = subprocess.CompletedProcess(command, job.returncode, out.read(), err.read())
+    result.stalled = stalled
+    return result
+
+
+def newest_change(folder: Path) -> float | None:
+    """The latest modification time of a file in `folder` or below, or None."""
+    times = []
+    for path in folder.rglob("*"):
+        with contextlib.suppress(OSError):  # gone meanwhile (a build's temporary file)
+            times.append(path.stat().st_mtime)
+    return max(times, default=None)
+
+
+def journal_pids(folder: Path) -> list[int]:
+    """The process ids that journals in `folder` start with."""
+    pids = []
+    for journal in folder.glob("rank-*"):
+        first = journal.read_text().partition("\n")[0] if journal.suffix == "" else ""
+        if first.startswith("pid "):
+            pids.append(int(first.split()[1]))
+    return pids
+
+
 def rank_outputs(
     nprocs: int,
     script: str,
     *args: str,
-    timeout: float = 300,
+    timeout: float = 300,  # the examples and snippets take seconds; past 5 min, hung
     env: dict[str, str] | None = None,
 ) -> list[str]:
     """Run `python script args...` on nprocs ranks; each rank's stdout, in rank order
@@ -81,5 +170,7 @@ def failure_summary(result: subprocess.CompletedProcess) -> str:
     """One line naming what ended a run of tests/mpi: each rank's failed or timed-out
     test (tests/mpi/conftest.py prints them to stderr), else mpiexec's exit status."""
     found = re.findall(r"rank \d+: \S+ (?:failed|timed out after [\d.]+ s)", result.stderr)
+    if getattr(result, "stalled", ""):
+        found.append(result.stalled)
     killed = " (killed past its time limit)" if result.returncode in (-9, 137) else ""
     return "; ".join(sorted(set(found))) or f"mpiexec exited with {result.returncode}{killed}"

@@ -166,7 +166,7 @@ def test_shallow_water_plot_and_scaling_table(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=300,  # two tiny runs: seconds each, even on a loaded machine
         env=launch_environment(),
     )
     assert table.returncode == 0, table.stderr

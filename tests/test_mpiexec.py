@@ -1,19 +1,39 @@
-"""Runs the per-rank suite in tests/mpi under mpiexec: the whole suite on 1 to 3
-ranks, every collective at every size on 4 to 9 ranks, and the configurations
-that only CI's first environment needs (marked `matrix`): the suite on 1 rank,
-eager calls through JAX's dispatch, messages over 2^31 - 1 elements, and MPICH's
-traffic through its network module (the suites that exchange messages)."""
+"""Runs the per-rank suite in tests/mpi under mpiexec, each file in the runs where
+it can fail.
+
+RUNS says what each run can find that no other run can; FILES says, per file,
+which runs those are for it. That is the whole decision: the runs, their files
+and their test selections are derived from it, here and in test_sanitizer.py.
+A file is left out of a run that repeats what another run of it already shows:
+values on one rank decide nothing about messages, the network module nothing
+about shapes, the sanitizer nothing about values.
+
+CI runs the README's command first (the first environment: every run below),
+then the suite again where one thing changes, with JAXCOMM_TEST_ENVIRONMENT
+naming the change: `another-jax` (another JAX release) runs the files whose
+outcome depends on how jaxcomm uses JAX, `another-mpi` (another MPI library)
+those whose outcome depends on the MPI library. Runs marked `matrix` are the
+extra rank counts and launch settings that `pytest -m "not matrix"` leaves out
+for a quicker look.
+"""
+
+from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from mpirun import failure_summary, mpiexec, run
+from mpirun import failure_summary, mpiexec, run_tests
 
 HERE = Path(__file__).parent
+
+#: Which environment this is (see above).
+ENVIRONMENT = os.environ.get("JAXCOMM_TEST_ENVIRONMENT", "first")
 
 # MPICH sends every message, even between ranks of one machine, through
 # libfabric's TCP provider on loopback: the code path of ranks on different nodes.
@@ -24,122 +44,206 @@ NETWORK = {
     "FI_TCP_IFACE": "lo",
 }
 
+# The generated examples per property in the runs that repeat a file under other
+# settings: the settings are what those runs test; the plain run of the file
+# draws the default number.
+FEWER_EXAMPLES = {"JAXCOMM_MISUSE_EXAMPLES": "2", "JAXCOMM_LOCKSTEP_EXAMPLES": "4"}
 
-def run_suite(
-    nprocs: int,
-    tests: str | list[str],
-    marks: str,
-    env: dict[str, str] | None = None,
-    select: str = "",
-) -> None:
-    """`select`: pytest's -k expression, if any."""
-    tests = [tests] if isinstance(tests, str) else tests
-    args = ["-m", "pytest", *tests, "-q", "-x", "-p", "no:cacheprovider", "--color=no", "-m", marks]
-    args += ["-k", select] if select else []
-    result = run(
-        nprocs,
-        args,
-        timeout=900,
-        env={"JAXCOMM_TEST_RANKS": str(nprocs), "PYTHONPATH": str(HERE), **(env or {})},
-    )
-    # One summary per rank; ranks' output may interleave on a line.
-    summaries = re.findall(r"\d+ passed[\w ,]* in [\d.]+s", result.stdout)
-    print(f"{nprocs} ranks:", summaries)
-    # The first line of the message is what pytest's summary shows: the inner test
-    # and the rank that failed it or ran out of time.
-    first_line = failure_summary(result)
-    assert result.returncode == 0, f"{first_line}\n{result.stdout[-20000:]}{result.stderr[-5000:]}"
-    assert len(summaries) == nprocs, result.stdout[-5000:]
-    assert not re.search(r"\d+ (failed|error)", result.stdout), result.stdout[-5000:]
-
-
-# One rank makes few messages: the first environment runs it, the others (another
-# JAX, another MPI) the suites that exchange.
-@pytest.mark.parametrize("nprocs", [pytest.param(1, marks=pytest.mark.matrix), 2, 3])
-def test_mpi_suite(nprocs):
-    run_suite(nprocs, str(HERE / "mpi"), "not slow")
-
-
-def files(*names: str) -> list[str]:
-    return [str(HERE / "mpi" / f"test_{name}.py") for name in names]
-
-
-# What a message's way through MPI can change: each family's exchanges at every
-# size, point to point and requests, and the generated misuse.
-EXCHANGES = files(
-    "collectives", "p2p", "reductions", "sizes", "nonblocking", "request_safety",
-    "variable_size", "counts", "graph", "neighbor_v", "checking", "misuse",
-)  # fmt: skip
-# What runs eagerly: every family's eager calls.
-EAGER = files(
-    "eager", "collectives", "p2p", "reductions", "nonblocking", "variable_size", "counts",
-    "graph", "neighbor_v", "in_place", "errors",
-)  # fmt: skip
-
-
-# Sharded programs: the ranks are the processes of one jax.distributed program
-# (tests/mpi/conftest.py starts it), so test_sharded.py runs alone; on 4 ranks,
-# comm.along on a 2x2 mesh. Two ranks in every environment (JAX's types change
-# between releases); the other counts in the first.
+# The ranks are the processes of one jax.distributed program (tests/mpi/conftest.py
+# starts it), so test_sharded.py runs alone.
 SHARDED = {"JAXCOMM_TEST_DISTRIBUTED": "1"}
 
 
-@pytest.mark.parametrize(
-    ("nprocs", "tests"),
-    [
-        pytest.param(1, "", marks=pytest.mark.matrix),
-        (2, ""),
-        pytest.param(3, "", marks=pytest.mark.matrix),
-        pytest.param(4, "along", marks=pytest.mark.matrix),
-    ],
-)
-def test_sharded_programs(nprocs, tests):
-    run_suite(nprocs, str(HERE / "mpi" / "test_sharded.py"), "not slow", env=SHARDED, select=tests)
+@dataclass(frozen=True)
+class Run:
+    """One mpiexec run of files of tests/mpi."""
+
+    ranks: int
+    finds: str  # what it can find that no other run can
+    settings: dict[str, str] = field(default_factory=dict)
+    environment: str = "first"
+    matrix: bool = True  # left out by -m "not matrix"
+    marks: str = "not slow"  # the tests/mpi marker expression
 
 
-@pytest.mark.parametrize("nprocs", [4, 5, 6, 7, 8, 9])
-def test_collectives_on_more_ranks(nprocs):
-    # Odd counts and non-powers of two, where MPI libraries pick other algorithms.
-    run_suite(nprocs, str(HERE / "mpi" / "test_sizes.py"), "not slow")
+RUNS = {
+    "1": Run(
+        1,
+        "a rank that is its own peer: messages to itself, itself as root, source "
+        "and every neighbour (a periodic dimension of one rank), and a "
+        "communicator of one rank (a failure there leaves no peer out of step)",
+    ),
+    "2": Run(
+        2,
+        "two ranks that are each other's left and right: two messages at once "
+        "between one pair, matched by order and tag; and what is measured on "
+        "exactly two ranks (memory per call)",
+        matrix=False,
+    ),
+    "3": Run(
+        3,
+        "left and right neighbours that differ (a source and destination swapped "
+        "shows, as does a graph that is not reversed), a root neither first nor "
+        "last, a rank outside a send/recv pair, an odd number of ranks",
+        matrix=False,
+    ),
+    "eager-jax": Run(
+        2,
+        "eager calls dispatched by JAX (JAXCOMM_EAGER=jit: one jitted function per "
+        "signature, requests posted through JAX) instead of the direct path",
+        {"JAXCOMM_EAGER": "jit", **FEWER_EXAMPLES},
+    ),
+    "jaxcomm-jit": Run(
+        2,
+        "the suites' jitted functions through jaxcomm.jit: order across calls kept "
+        "by its marker chain, donated and static arguments numbered past the "
+        "marker, an earlier call's error",
+        {"JAXCOMM_TEST_JIT": "jaxcomm"},
+    ),
+    "network": Run(
+        3,
+        "messages through MPICH's network module (libfabric's TCP on loopback, the "
+        "path between nodes): they arrive later and in pieces, so a receive that "
+        "is read, matched or cancelled at the wrong moment shows",
+        {**NETWORK, **FEWER_EXAMPLES},
+    ),
+    "asan": Run(
+        2,
+        "jaxcomm's C++ reading or writing outside its buffers, or undefined "
+        "behaviour, where the values stay right (test_sanitizer.py builds it)",
+        {**FEWER_EXAMPLES},
+    ),
+    "large-2": Run(
+        2,
+        "messages of more than 2**31 - 1 elements (2 GiB per rank: each test runs "
+        "on one rank count only)",
+        marks="slow",
+    ),
+    "large-3": Run(3, "the same, a message that only one rank of a ring splits", marks="slow"),
+    "4": Run(4, "MPI's algorithms for a power of two beyond a pair; a 2x2 mesh"),
+    "5": Run(5, "MPI's algorithms for an odd count past 3, oversubscribed"),
+    "9": Run(9, "the most ranks tested, four times the cores"),
+    "sharded-1": Run(
+        1, "a jax.distributed program of one process: a mesh and lines of one device", SHARDED
+    ),
+    "sharded-2": Run(
+        2, "jax.distributed, shard_map and JAX's types on a pair", SHARDED, matrix=False
+    ),
+    "sharded-3": Run(
+        3, "jax.distributed with distinct neighbours: sendrecv against ppermute", SHARDED
+    ),
+    "sharded-4": Run(4, "comm.along on a 2x2 mesh", SHARDED),
+    "jax-2": Run(
+        2,
+        "another JAX release: how jaxcomm traces, lowers, differentiates, batches "
+        "and dispatches, on the pair",
+        {**FEWER_EXAMPLES},
+        environment="another-jax",
+        matrix=False,
+    ),
+    "jax-sharded-2": Run(
+        2,
+        "another JAX release: shard_map and its types",
+        {**SHARDED, **FEWER_EXAMPLES},
+        "another-jax",
+        False,
+    ),
+    "mpi-3": Run(
+        3,
+        "another MPI library: its calls, matching, cancelling, errors and "
+        "algorithms, with distinct neighbours",
+        {**FEWER_EXAMPLES},
+        environment="another-mpi",
+        matrix=False,
+    ),
+    "mpi-2": Run(
+        2,
+        "another MPI library on the pair",
+        {**FEWER_EXAMPLES},
+        environment="another-mpi",
+        matrix=False,
+    ),
+    "mpi-5": Run(
+        5, "another MPI library's algorithms on an odd count past 3", {}, "another-mpi", False
+    ),
+}
 
 
-@pytest.mark.parametrize("nprocs", [5])
-def test_ordered_jit_on_more_ranks(nprocs):
-    # Eager calls, jax.jit and jaxcomm.jit mixed, with loops and branches.
-    run_suite(nprocs, str(HERE / "mpi" / "test_ordered_jit.py"), "not slow")
+# The decision. Per file of tests/mpi, the runs where it can find what no other
+# run finds (RUNS[...].finds); "run:a|b" keeps only its tests named with a or b.
+# Most files run on 3 ranks, where values are strongest; on 1 and 2 where a rank
+# is its own peer or a pair is both neighbours; the settings where they reach
+# the code those change (each family's eager tests through JAX, the suites about
+# order through jaxcomm.jit, messages and requests over the network module, the
+# C++ families under the sanitizers).
+FILES = {
+    "autodiff": "3 asan:replicat jax-2",  # jax-2: the SPEC wants gradients on 2 too
+    "checking": "2 3 network asan jax-2 mpi-3",
+    "collectives": "1 2 3 eager-jax:eager asan jax-2 mpi-2 mpi-3",
+    "comm": "1 2 3 jax-2 mpi-3",
+    "counts": "1 3 asan jax-2",  # validated in jaxcomm, before MPI is called
+    "eager": "1 3 jaxcomm-jit jax-2",  # the shortcut differs on 1 rank only
+    "errors": "1 2 3 eager-jax:truncated jax-2 mpi-2",  # memory: measured on 2
+    "gpu": "1 2 3",
+    "graph": "3 asan jax-2 mpi-3",  # 3: a graph not reversed shows; self-loops too
+    "in_place": "1 2 3 jax-2 mpi-2 mpi-3",
+    "large": "large-2 large-3",
+    "lockstep": "1 2 3 network asan jax-2 mpi-3",
+    "misuse": "3 asan jax-2",
+    "neighbor_v": "3 asan jax-2 mpi-3",
+    "nonblocking": "1 2 3 eager-jax:eager jaxcomm-jit network asan jax-2 mpi-2 mpi-3",
+    "ordered_jit": "5 jax-2",
+    "ordering": "2 3 jaxcomm-jit jax-2",
+    "p2p": "1 2 3 eager-jax network asan jax-2 mpi-2 mpi-3",
+    "properties": "3 jax-2",
+    "reductions": "3 eager-jax:eager asan mpi-2 mpi-3",  # op x dtype: MPI and C++
+    "request_safety": "1 2 3 jaxcomm-jit network asan jax-2 mpi-2 mpi-3",
+    "sharded": "sharded-1 sharded-2 sharded-3 sharded-4:along jax-sharded-2",
+    "sizes": "3 4 5 9 mpi-5",  # 3: the wildcard receive needs a third rank
+    "topology": "1 2 3 jax-2 mpi-2 mpi-3",
+    "variable_size": "1 3 eager-jax:eager network:nonblocking|ialltoallv asan jax-2 mpi-3",
+    "vmap": "2 jax-2",  # batching rules: the same on any number of ranks
+}
 
 
-@pytest.mark.matrix
-@pytest.mark.parametrize("nprocs", [1, 2, 3])
-def test_ordering_suites_through_jaxcomm_jit(nprocs):
-    # Every jitted function of the suites about order runs under jaxcomm.jit.
-    suites = ["test_ordering.py", "test_nonblocking.py", "test_request_safety.py", "test_eager.py"]
-    run_suite(
-        nprocs,
-        [str(HERE / "mpi" / suite) for suite in suites],
-        "not slow",
-        env={"JAXCOMM_TEST_JIT": "jaxcomm"},
-    )
+def files_of(run: str) -> list[tuple[Path, str]]:
+    """The files of tests/mpi in `run`, each with its -k expression ("" for all)."""
+    chosen = []
+    for name, runs in FILES.items():
+        for entry in runs.split():
+            where, _, tests = entry.partition(":")
+            if where == run:
+                chosen.append((HERE / "mpi" / f"test_{name}.py", tests))
+    return chosen
 
 
-# The generated misuse examples per property in the runs that repeat the suite
-# under other settings: the settings are what those runs test, and the first
-# runs above draw the default number.
-FEWER_EXAMPLES = {"JAXCOMM_MISUSE_EXAMPLES": "2"}
+def pytest_args(run: str) -> list[str]:
+    """pytest's arguments for `run`: its files, its markers, and a -k expression
+    that keeps, of a file with one, only the tests it names."""
+    chosen = files_of(run)
+    args = [str(path) for path, _ in chosen] + ["-m", RUNS[run].marks]
+    limits = [
+        f"(not {path.name} or ({tests.replace('|', ' or ')}))" for path, tests in chosen if tests
+    ]
+    return args + (["-k", " and ".join(limits)] if limits else [])
 
 
-@pytest.mark.matrix
-def test_mpi_suite_eager_through_jax():
-    # JAXCOMM_EAGER=jit sends eager calls through JAX's dispatch, not the direct path.
-    run_suite(2, EAGER, "not slow", env={"JAXCOMM_EAGER": "jit", **FEWER_EXAMPLES})
-
-
-@pytest.mark.matrix
-@pytest.mark.parametrize("nprocs", [2, 3])
-def test_messages_over_int_max_elements(nprocs):
-    # 2 GiB (int8) on each of two ranks, about 4.5 GiB peak each: each test runs
-    # on one rank count only.
-    run_suite(nprocs, str(HERE / "mpi" / "test_large.py"), "slow")
+def run_suite(run: str, **env: str) -> None:
+    """`run` under mpiexec; asserts that every rank passed."""
+    ranks = RUNS[run].ranks
+    args = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--color=no", *pytest_args(run)]
+    # Ended only when it stops making progress (progress.py), however slow the machine.
+    env = {"JAXCOMM_TEST_RANKS": str(ranks), "PYTHONPATH": str(HERE), **RUNS[run].settings, **env}
+    result = run_tests(ranks, args, env=env)
+    # One summary per rank; ranks' output may interleave on a line.
+    summaries = re.findall(r"\d+ passed[\w ,]* in [\d.]+s", result.stdout)
+    print(f"{run} ({ranks} ranks):", summaries)
+    # The first line of the message is what pytest's summary shows: the inner test
+    # and the rank that failed it or ran out of time.
+    first_line = failure_summary(result)
+    assert result.returncode == 0, f"{first_line}\n{result.stdout[-20000:]}{result.stderr[-20000:]}"
+    assert len(summaries) == ranks, result.stdout[-5000:]
+    assert not re.search(r"\d+ (failed|error)", result.stdout), result.stdout[-5000:]
 
 
 def is_mpich() -> bool:
@@ -147,10 +251,22 @@ def is_mpich() -> bool:
     return "HYDRA" in version
 
 
-@pytest.mark.matrix
-@pytest.mark.skipif(not is_mpich(), reason="MPICH's network module is MPICH's")
-def test_mpi_suite_over_the_network_module():
-    run_suite(3, EXCHANGES, "not slow", env={**NETWORK, **FEWER_EXAMPLES})
+def params() -> list:
+    """This environment's runs (but the sanitizer's, which test_sanitizer.py makes)."""
+    chosen = []
+    for name, run in RUNS.items():
+        if run.environment != ENVIRONMENT or name == "asan" or not files_of(name):
+            continue
+        marks = [pytest.mark.matrix] if run.matrix else []
+        if NETWORK.items() <= run.settings.items():
+            marks.append(pytest.mark.skipif(not is_mpich(), reason="the network module is MPICH's"))
+        chosen.append(pytest.param(name, marks=marks))
+    return chosen
+
+
+@pytest.mark.parametrize("run", params())
+def test_mpi_suite(run):
+    run_suite(run)
 
 
 def has_cuda_module() -> bool:
@@ -166,4 +282,18 @@ def has_cuda_module() -> bool:
 def test_gpu_suite_staged():
     # The per-rank suite runs the GPU tests in the MPI's own mode (CUDA-aware where
     # it can be); this run forces staging, so both paths are covered.
-    run_suite(2, str(HERE / "mpi" / "test_gpu.py"), "gpu", env={"JAXCOMM_CUDA_AWARE": "0"})
+    args = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--color=no"]
+    args += [str(HERE / "mpi" / "test_gpu.py"), "-m", "gpu"]
+    env = {"JAXCOMM_TEST_RANKS": "2", "PYTHONPATH": str(HERE), "JAXCOMM_CUDA_AWARE": "0"}
+    result = run_tests(2, args, env=env)
+    assert result.returncode == 0, f"{failure_summary(result)}\n{result.stdout[-20000:]}"
+
+
+def test_every_file_of_tests_mpi_is_in_the_table():
+    """A file of tests/mpi that no run names would never run; a row without its
+    file, or naming a run that does not exist, is a slip."""
+    on_disk = {path.stem.removeprefix("test_") for path in (HERE / "mpi").glob("test_*.py")}
+    assert on_disk == set(FILES), (sorted(on_disk - set(FILES)), sorted(set(FILES) - on_disk))
+    named = {entry.partition(":")[0] for runs in FILES.values() for entry in runs.split()}
+    assert named <= set(RUNS), sorted(named - set(RUNS))
+    assert all(files_of(run) for run in RUNS), [run for run in RUNS if not files_of(run)]

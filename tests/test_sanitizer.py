@@ -1,4 +1,5 @@
-"""The per-rank suite on 2 ranks with jaxcomm's C++ built with AddressSanitizer and
+"""The per-rank suite's "asan" run (test_mpiexec.py's table says which files and
+tests) with jaxcomm's C++ built with AddressSanitizer and
 UndefinedBehaviorSanitizer (CMake option JAXCOMM_SANITIZE, see CONTRIBUTING.md):
 a write out of bounds, a use after free or undefined behaviour ends the run with
 the sanitizer's report, where a plain build may pass over it or crash elsewhere."""
@@ -10,37 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from mpirun import failure_summary, run
+from mpirun import failure_summary, run, run_tests, run_watched
+from test_mpiexec import RUNS, pytest_args
 
 HERE = Path(__file__).parent
-
-# Each C++ family's own tests (collectives, p2p, reductions, non-blocking requests,
-# the variable-size and neighbour exchanges, checking mode), and the generated
-# misuse and failures (test_lockstep.py: what a failed operation leaves). The
-# other files make the same C++ calls through transformations and Python paths
-# and would double the run under ASan (test_autodiff.py and
-# test_vmap.py alone took 11 of 17 minutes on 2 ranks): only the replication check
-# of checking mode (cpp/replicated.cc) is taken from test_autodiff.py.
-FILES = [
-    "test_checking.py",
-    "test_collectives.py",
-    "test_counts.py",
-    "test_graph.py",
-    "test_lockstep.py",
-    "test_misuse.py",
-    "test_neighbor_v.py",
-    "test_nonblocking.py",
-    "test_p2p.py",
-    "test_reductions.py",
-    "test_request_safety.py",
-    "test_variable_size.py",
-    "test_autodiff.py",
-]
-SELECTED = (
-    "(not test_autodiff.py or replicat)"
-    # It measures resident memory, which ASan's quarantine of freed blocks grows.
-    " and not test_ten_thousand_small_ops_do_not_grow_memory"
-)
+RUN = "asan"  # its row in test_mpiexec.RUNS
 
 
 def runtime_library(name: str) -> str:
@@ -78,7 +53,9 @@ def sanitized(tmp_path_factory) -> Path:
         *("-Ccmake.define.JAXCOMM_SANITIZE=ON", "-Cinstall.strip=false"),
         str(HERE.parent),
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    # Ended only when the build stops writing files: no step (a compile under ASan)
+    # takes ten minutes, however loaded the machine.
+    result = run_watched(command, build, stall=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return package
 
@@ -104,12 +81,12 @@ def test_mpi_suite_under_address_and_undefined_behaviour_sanitizers(sanitized, t
     assert f"{sanitized}/jaxcomm/_jaxcomm_cpu" in loaded.stdout
     assert "libasan.so" in loaded.stdout
 
-    tests = [str(HERE / "mpi" / name) for name in FILES]
-    args = ["-m", "pytest", *tests, "-q", "-x", "-p", "no:cacheprovider", "--color=no"]
-    args += ["-m", "not slow", "-k", SELECTED]
+    # The files and tests that test_mpiexec.py's table puts in this run.
+    args = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--color=no", *pytest_args(RUN)]
     # Unbuffered: a summary printed before a rank hangs at exit still shows.
-    env = {"JAXCOMM_TEST_RANKS": "2", "PYTHONUNBUFFERED": "1", **env}
-    result = run(2, args, timeout=900, env=env)
+    ranks = RUNS[RUN].ranks
+    env = {"JAXCOMM_TEST_RANKS": str(ranks), "PYTHONUNBUFFERED": "1", **RUNS[RUN].settings, **env}
+    result = run_tests(ranks, args, env=env)
     summary, found = reports(tmp_path)
     # On one line beside the test's name, where a shortened log keeps it.
     outcome = "" if result.returncode == 0 else f"; {summary or failure_summary(result)}"

@@ -5,6 +5,7 @@ import threading
 import time
 
 import jax
+import progress
 import pytest
 from graph_edges import GRAPHS, lists
 from jax_processes import start_jax_distributed
@@ -35,82 +36,113 @@ if os.environ.get("JAXCOMM_TEST_JIT") == "jaxcomm":
 
     jax.jit = jaxcomm.jit
 
-# Seconds one test (setup, call and teardown) may take before its rank prints the
-# test's name and every thread's stack and exits. Tests take seconds, the 2 GiB
-# messages of test_large.py longer; 300 s leaves a slow, busy machine room and
-# still fires well before test_mpiexec.py's 900 s limit on the whole run, which
-# kills mpiexec without a word.
-TEST_TIMEOUT = float(os.environ.get("JAXCOMM_TEST_TIMEOUT", "300"))
-
 
 class Watchdog:
-    """Ends a rank whose current test runs past TEST_TIMEOUT, after writing
-    "rank R: <test> timed out after N s" and all threads' stacks to `fd`.
+    """Ends a rank whose current phase (a test with its setup and teardown,
+    collection, or exit) makes no progress for its limit (progress.py says
+    which and why): it writes "rank R: <phase> timed out after N s" and every
+    thread's stack to `fd`, asks the other ranks on this machine for theirs, and
+    exits. Progress inside a phase: this rank started an MPI call.
 
     A Python thread, since only Python knows which test runs; it gets the GIL
     while the test waits in MPI (jaxcomm releases it there) or runs Python. If
-    C code hangs holding the GIL, faulthandler's own timer, armed a minute
+    C code hangs holding the GIL, faulthandler's own timer, armed BACKSTOP
     later, still writes the stacks (without the test's name) and exits."""
 
-    def __init__(self, fd: int, rank: int, limit: float):
-        self.fd, self.rank, self.limit = fd, rank, limit
+    #: Seconds between looks at the rank's MPI calls: a small share of the limit.
+    LOOK_EVERY = 10.0
+
+    def __init__(self, fd: int, rank: int, peers: list[int], journal: progress.Journal):
+        self.fd, self.rank, self.peers, self.journal = fd, rank, peers, journal
         self.cond = threading.Condition()
-        self.test: str | None = None
-        self.deadline = 0.0
+        self.phase: str | None = None
+        self.limit = self.since = 0.0
+        self.calls = 0
         threading.Thread(target=self.watch, name="test watchdog", daemon=True).start()
 
-    def arm(self, nodeid: str) -> None:
+    def arm(self, phase: str, limit: float) -> None:
         with self.cond:
-            self.test, self.deadline = nodeid, time.monotonic() + self.limit
+            self.phase, self.limit = phase, limit
+            self.since, self.calls = time.monotonic(), mpi_calls()
             self.cond.notify()
-        faulthandler.dump_traceback_later(self.limit + 60, exit=True, file=self.fd)
+        faulthandler.dump_traceback_later(limit + progress.BACKSTOP, exit=True, file=self.fd)
 
     def disarm(self) -> None:
         faulthandler.cancel_dump_traceback_later()
         with self.cond:
-            self.test = None
+            self.phase = None
             self.cond.notify()
 
     def watch(self) -> None:
         with self.cond:
             while True:
-                left = self.deadline - time.monotonic()
-                if self.test is None or left > 0:
-                    self.cond.wait(None if self.test is None else left)
+                if self.phase is None:
+                    self.cond.wait()
                     continue
-                message = f"rank {self.rank}: {self.test} timed out after {self.limit:g} s\n"
-                os.write(self.fd, message.encode())
-                faulthandler.dump_traceback(file=self.fd, all_threads=True)
-                # Not MPI_Abort: MPI may be what hangs. mpiexec ends the other ranks.
-                os._exit(1)
+                if (calls := mpi_calls()) != self.calls:
+                    self.since, self.calls = time.monotonic(), calls
+                    self.journal.beat()
+                    faulthandler.dump_traceback_later(
+                        self.limit + progress.BACKSTOP, exit=True, file=self.fd
+                    )
+                left = self.since + self.limit - time.monotonic()
+                if left > 0:
+                    self.cond.wait(min(left, self.LOOK_EVERY))
+                    continue
+                self.report()
+
+    def report(self) -> None:
+        message = f"rank {self.rank}: {self.phase} timed out after {self.limit:g} s"
+        others = f"; asking ranks on this machine (process ids {self.peers}) for their stacks"
+        os.write(self.fd, f"{message}{others if self.peers else ''}\n".encode())
+        faulthandler.dump_traceback(file=self.fd, all_threads=True)
+        progress.ask_for_stacks(self.peers)
+        # Not MPI_Abort: MPI may be what hangs. mpiexec ends the other ranks.
+        os._exit(1)
+
+
+def mpi_calls() -> int:
+    """How many MPI calls jaxcomm's handlers have started in this process (0 until
+    a test imports jaxcomm: importing it here would initialise it early)."""
+    native = sys.modules.get("jaxcomm._native")
+    return native.cpu.call_count() if native is not None else 0
 
 
 watchdog: Watchdog | None = None
+journal: progress.Journal | None = None
 
 
 def pytest_configure(config):
     # pytest captures fd 2 while tests run; the watchdog writes to a copy of the
     # real one, taken with capture off, so that mpiexec's stderr carries it.
-    global watchdog
+    global watchdog, journal
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is None:
         stderr = os.dup(2)
     else:
         with capture.global_and_fixture_disabled():
             stderr = os.dup(2)
-    watchdog = Watchdog(stderr, MPI.COMM_WORLD.rank, TEST_TIMEOUT)
-    watchdog.arm("<collection>")
+    world = MPI.COMM_WORLD
+    journal = progress.Journal(world.rank)
+    # Where this rank writes its stacks when a peer or the launcher asks: its
+    # file beside the journal, which the launcher shows under the rank's name.
+    stacks = os.open(journal.stacks, os.O_WRONLY | os.O_CREAT) if journal.stacks else stderr
+    faulthandler.register(progress.STACKS_SIGNAL, file=stacks, all_threads=True, chain=True)
+    here = (progress.this_host(), os.getpid())
+    peers = [pid for host, pid in world.allgather(here) if host == here[0] and pid != here[1]]
+    watchdog = Watchdog(stderr, world.rank, peers, journal)
+    watchdog.arm("<collection>", progress.TEST_LIMIT + progress.BETWEEN_TESTS)
 
 
 def pytest_unconfigure(config):
     # Until the process ends: MPI_Finalize runs at exit.
     if watchdog is not None:
-        watchdog.arm("<exit>")
+        watchdog.arm("<exit>", progress.TEST_LIMIT + progress.BETWEEN_TESTS)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    watchdog.arm(item.nodeid)
+    watchdog.arm(item.nodeid, progress.TEST_LIMIT)
     try:
         return (yield)
     finally:
@@ -149,11 +181,13 @@ def graphs(comm):
 
 
 def pytest_runtest_logreport(report):
+    if report.when == "teardown" and not report.failed:
+        journal.finished(report.nodeid, "done")
     # A failure on one rank would leave the others waiting in a collective: abort.
     if report.failed:
+        failure = f"rank {MPI.COMM_WORLD.rank}: {report.nodeid} failed\n{report.longreprtext}\n"
+        journal.finished(report.nodeid, "failed", failure)
         sys.stdout.flush()
-        sys.stderr.write(
-            f"rank {MPI.COMM_WORLD.rank}: {report.nodeid} failed\n{report.longreprtext}\n"
-        )
+        sys.stderr.write(failure)
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import progress
 import pytest
 from data import expected_collective
 from hypothesis import HealthCheck, Phase, given, settings
@@ -44,7 +45,11 @@ INT32_MAX = 2**31 - 1
 EXAMPLES = int(os.environ.get("JAXCOMM_MISUSE_EXAMPLES", "5"))
 REPEATS = 2  # each example runs twice, on a heap dirtied with another pattern
 PATTERNS = (np.nan, 0xAB)
-TIMEOUT = 60.0  # seconds, for the watchdog when JAXCOMM_TIMEOUT is not set
+# jaxcomm's watchdog (when JAXCOMM_TIMEOUT is not set): a call here waits at most
+# for its peers to trace and compile one example (seconds, minutes on a loaded
+# machine); a hang is aborted naming the call, before the test's own limit
+# (progress.py) reports it without the call's name.
+TIMEOUT = progress.TEST_LIMIT / 2
 
 SETTINGS = settings(
     derandomize=True,  # the same examples on every rank

@@ -4,8 +4,6 @@ _fusion.FUSE_BELOW_BYTES. Odd element counts on purpose (blocks at unaligned
 offsets, pieces that do not divide evenly); eager, jitted and donated (in place,
 MPI_IN_PLACE) calls."""
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,8 +128,12 @@ def test_collectives_never_take_a_wildcard_receive(comm, name, block):
     shape = {"alltoall": rows, "reduce_scatter": rows}.get(name, (block,))
     data = data_of(comm, shape)
     message = rank_data(100, (block,), "float32")
+    world = MPI.COMM_WORLD
     if comm.rank == 0:
-        time.sleep(0.5)  # the other ranks' collective starts first
+        # Sent once every rank outside the pair has entered the collective (its
+        # word comes just before), so its messages may reach rank 1 first.
+        for rank in range(2, comm.size):
+            world.recv(source=rank, tag=77)
         comm.send(jnp.asarray(message), dest=1, tag=5)
     elif comm.rank == 1:
         got, status = comm.recv(
@@ -139,6 +141,8 @@ def test_collectives_never_take_a_wildcard_receive(comm, name, block):
         )
         assert (int(status.source), int(status.tag)) == (0, 5)
         assert_values(got, message)
+    else:
+        world.send(None, dest=0, tag=77)
     out = getattr(comm, name)(jnp.asarray(data[comm.rank]))
     expected = {
         "allgather": lambda: np.stack(data),
