@@ -23,9 +23,10 @@ Under AD the tangent of a linear operation is posted and waited alongside the
 primal one; a non-linear reduction (MAX, PROD...) computes its tangent at the
 wait, with blocking calls. The transpose of a wait posts the adjoint operation
 and the transpose of the start waits for it, so that cotangents overlap the
-backward pass as the primal messages overlap the forward pass. Adjoints that
-need no message under jaxcomm's gradient convention (iallreduce, ibcast,
-iallgather) are computed at the wait's transpose.
+backward pass as the primal messages overlap the forward pass. The adjoints of
+results that every rank holds alike (iallreduce, ibcast, iallgather) are
+computed at the wait's transpose: without a message where the result is one
+value, else with a blocking allreduce (jaxcomm._replicated.shared_cotangent).
 
 What the user holds, a Request, and how a post on a pytree becomes these
 primitives' calls, is jaxcomm._requests.
@@ -432,9 +433,8 @@ def _reversed(comm: CommInfo, params: dict) -> tuple[CommInfo, dict]:
     return reverse, {**params, "neighborhood": back}
 
 
-def _pvaried(ct, comm, operation):
-    ct = _replicated.replicated_cotangent(ct, comm=comm, operation=operation)
-    return _replicated.pvary(ct, comm=comm)
+def _shared(ct, comm, operation):
+    return _replicated.shared_cotangent(ct, comm=comm, operation=operation)
 
 
 def _reversed_from_root(root, **_):
@@ -472,12 +472,12 @@ def _reply(**p):
 
 
 ADJOINTS: dict[str, Adjoint] = {
-    "iallreduce": Adjoint(None, local=lambda ct, comm, **_: _pvaried(ct, comm, "iallreduce")),
+    "iallreduce": Adjoint(None, local=lambda ct, comm, **_: _shared(ct, comm, "iallreduce")),
     "ibcast": Adjoint(
         None,
-        local=lambda ct, comm, root: on_rank(comm.rank == root, _pvaried(ct, comm, "ibcast")),
+        local=lambda ct, comm, root: on_rank(comm.rank == root, _shared(ct, comm, "ibcast")),
     ),
-    "iallgather": Adjoint(None, local=lambda ct, comm: _pvaried(ct, comm, "iallgather")[comm.rank]),
+    "iallgather": Adjoint(None, local=lambda ct, comm: _shared(ct, comm, "iallgather")[comm.rank]),
     "ialltoall": Adjoint("ialltoall"),
     "ineighbor_allgather": Adjoint(None, local=_collectives.neighbor_allgather_transpose),
     "ineighbor_alltoall": Adjoint("ineighbor_alltoall", over=_reversed),
