@@ -5,6 +5,7 @@ eager calls through JAX's dispatch, messages over 2^31 - 1 elements, and MPICH's
 traffic through its network module (the suites that exchange messages)."""
 
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -78,9 +79,12 @@ EAGER = files(
 
 
 # Sharded programs: the ranks are the processes of one jax.distributed program
-# (tests/mpi/conftest.py starts it), so test_sharded.py runs alone; on 4 ranks,
-# comm.along on a 2x2 mesh. Two ranks in every environment (JAX's types change
-# between releases); the other counts in the first.
+# (tests/mpi/conftest.py starts it), so test_sharded.py and test_oracle.py run
+# alone; on 4 ranks, comm.along and the oracle on a 2x2 mesh. Two ranks in every
+# environment (JAX's types change between releases); the other counts in the
+# first. The oracle draws other examples in each run (its seed depends on the
+# rank count, JAX and MPI): 3 per property, 2 on 1 and 4 ranks, unless
+# JAXCOMM_ORACLE_EXAMPLES says.
 SHARDED = {"JAXCOMM_TEST_DISTRIBUTED": "1"}
 
 
@@ -90,11 +94,13 @@ SHARDED = {"JAXCOMM_TEST_DISTRIBUTED": "1"}
         pytest.param(1, "", marks=pytest.mark.matrix),
         (2, ""),
         pytest.param(3, "", marks=pytest.mark.matrix),
-        pytest.param(4, "along", marks=pytest.mark.matrix),
+        pytest.param(4, "along or test_oracle", marks=pytest.mark.matrix),
     ],
 )
 def test_sharded_programs(nprocs, tests):
-    run_suite(nprocs, str(HERE / "mpi" / "test_sharded.py"), "not slow", env=SHARDED, select=tests)
+    examples = os.environ.get("JAXCOMM_ORACLE_EXAMPLES", "2" if nprocs in (1, 4) else "3")
+    env = {**SHARDED, "JAXCOMM_ORACLE_EXAMPLES": examples}
+    run_suite(nprocs, files("sharded", "oracle"), "not slow", env=env, select=tests)
 
 
 @pytest.mark.parametrize("nprocs", [4, 5, 6, 7, 8, 9])
