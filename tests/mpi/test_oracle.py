@@ -670,7 +670,21 @@ def test_blocking_programs_equal_jax_collectives(comms, example):
     check(example, comms[example.group])
 
 
+# Every non-blocking operation's transpose, its wait after others.
+EVERY_POST = (
+    Op("allreduce", posted=True, gap=2),
+    Op("allgather", posted=True),
+    Op("ring", posted=True, shift=2, template="x"),
+    Op("bcast", posted=True, root=1, gap=1),
+    Op("alltoall", posted=True),
+    Op("reduce_scatter", posted=True),
+)
+
+
 @given(example=examples(posted=True).filter(lambda e: excluded(e) is None))
+@hypothesis.example(
+    example=Example("world", EVERY_POST, (), "check_vma", "grad", "jax.jit", False, False)
+)
 @SETTINGS
 @seed(SEED)
 def test_posted_programs_equal_jax_collectives(comms, example):
