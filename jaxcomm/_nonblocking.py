@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import core
-from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 from mpi4py import MPI
 
@@ -51,6 +50,7 @@ from jaxcomm import _collectives, _p2p, _reductions, _replicated, _sharded, _var
 from jaxcomm._datatypes import ReduceOp
 from jaxcomm._jax_internals import (
     COMM_EFFECT,
+    OrderedPrimitive,
     apply_primitive,
     lower_with_token,
     manual_axes,
@@ -215,7 +215,7 @@ def _wait_shapes(*operands, operation, comm, **_):
     return [result, *_sharded.type_results([_p2p.STATUS], [request], comm, operation, "same")]
 
 
-wait_p = Primitive("jaxcomm_wait")
+wait_p = OrderedPrimitive("jaxcomm_wait")
 wait_p.multiple_results = True
 
 
@@ -240,7 +240,7 @@ def _wait_lowering(ctx, *operands, operation, comm, params):
 
 # -- polling ---------------------------------------------------------------------------
 
-test_p = Primitive("jaxcomm_test")
+test_p = OrderedPrimitive("jaxcomm_test")
 test_p.def_impl(lambda request: jnp.asarray(test_now(request)))
 _DONE = core.ShapedArray((), np.bool_)
 test_p.def_effectful_abstract_eval(

@@ -15,13 +15,13 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jaxcomm import _sharded
 from jaxcomm._datatypes import ReduceOp
 from jaxcomm._jax_internals import (
     COMM_EFFECT,
+    OrderedPrimitive,
     apply_primitive,
     lower_identity,
     typed,
@@ -33,7 +33,7 @@ from jaxcomm._rules import batch_elementwise, define_rules, instantiate, linear_
 
 # Identity on the data; it exists for its transpose. It carries the effect so that
 # it is never dropped: its transpose is a collective every rank must join.
-pvary_p = Primitive("jaxcomm_pvary")
+pvary_p = OrderedPrimitive("jaxcomm_pvary")
 pvary_p.multiple_results = True
 pvary_p.def_impl(partial(apply_primitive, pvary_p))
 

@@ -120,7 +120,13 @@ def test_ordered_jit_on_more_ranks(nprocs):
 @pytest.mark.parametrize("nprocs", [1, 2, 3])
 def test_ordering_suites_through_jaxcomm_jit(nprocs):
     # Every jitted function of the suites about order runs under jaxcomm.jit.
-    suites = ["test_ordering.py", "test_nonblocking.py", "test_request_safety.py", "test_eager.py"]
+    suites = [
+        "test_ordering.py",
+        "test_nonblocking.py",
+        "test_request_safety.py",
+        "test_eager.py",
+        "test_control_flow_derivatives.py",
+    ]
     run_suite(
         nprocs,
         [str(HERE / "mpi" / suite) for suite in suites],

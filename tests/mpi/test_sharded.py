@@ -244,6 +244,51 @@ def test_grad_and_jvp_equal_those_of_jax_collectives(line):
         np.testing.assert_allclose(_local(a), _local(b), rtol=1e-12)
 
 
+def _ring_step(c, ours: bool, line):
+    """One step of a ring shift by one along the mesh: non-blocking through
+    `line`, a receive into a constant template posted first; or lax.ppermute."""
+    if not ours:
+        return lax.ppermute(2.0 * c, "x", SHIFT)
+    received = line.irecv(jnp.zeros_like(c), source=(line.rank - 1) % line.size)
+    sent = line.isend(2.0 * c, dest=(line.rank + 1) % line.size)
+    line.wait(sent)
+    return line.wait(received)
+
+
+NONBLOCKING_CONTROL = {
+    "scan": lambda step, x: lax.scan(lambda c, _: (step(c), None), x, None, length=2)[0],
+    "fori_loop": lambda step, x: lax.fori_loop(0, 2, lambda _, c: step(c), x),
+    "checkpoint": lambda step, x: jax.checkpoint(step)(x),
+}
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "no_check_vma"])
+@pytest.mark.parametrize("control", NONBLOCKING_CONTROL)
+def test_nonblocking_derivatives_in_control_flow_equal_jax(line, control, check_vma):
+    """Posts and waits inside a loop or a checkpoint, in shard_map: the gradient
+    and the forward derivative of ppermute's, which is the blocking twin's."""
+
+    def total(ours):
+        def per_device(x):
+            y = NONBLOCKING_CONTROL[control](partial(_ring_step, ours=ours, line=line), x)
+            return (jnp.sin(y) * (lax.axis_index("x") + 1.0)).sum().reshape(1)
+
+        run = jax.shard_map(
+            per_device, mesh=MESH, in_specs=P("x"), out_specs=P("x"), check_vma=check_vma
+        )
+        return lambda x: run(x).sum()
+
+    x, dx = (
+        jax.make_array_from_process_local_data(NamedSharding(MESH, P("x")), a)
+        for a in (block(RANK) / 10.0, np.cos(block(RANK)))
+    )
+    grad = [jax.jit(jax.value_and_grad(total(ours)))(x) for ours in (True, False)]
+    jvp = [jax.jit(partial(jax.jvp, total(ours)))((x,), (dx,)) for ours in (True, False)]
+    for got, want in (grad, jvp):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(_local(a), _local(b), rtol=1e-12)
+
+
 @pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "no check_vma"])
 @pytest.mark.parametrize("kind", ["COMM_WORLD", "split", "along"])
 def test_grad_through_every_communicator_equals_psum(comm, line, kind, check_vma):
