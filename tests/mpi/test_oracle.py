@@ -203,6 +203,7 @@ class Op:
     reduction: str = "SUM"  # allreduce's
     root: int = 0  # bcast's, modulo the size
     shift: int = 1  # sendrecv's and ring's, modulo the size
+    tagged: bool = False  # sendrecv: a recvtag given (else MPI.ANY_TAG, the default)
     gap: int = 0  # posted: operations between the post and the wait
     send_first: bool = False  # ring: the isend's wait first
     template: str = "zeros"  # ring: what irecv receives into, zeros or x
@@ -228,7 +229,8 @@ class Ours:
         if op.name == "bcast":
             return c.bcast(x, root=op.root % self.n)
         if op.name == "sendrecv":
-            return c.sendrecv(x, **self._shift(op))
+            tags = {"sendtag": 7, "recvtag": 7} if op.tagged else {}
+            return c.sendrecv(x, **self._shift(op), **tags)
         if op.name == "alltoall":
             return c.alltoall(x)
         return c.reduce_scatter(x)
@@ -576,7 +578,7 @@ def _blocking_ops():
         st.builds(Op, st.just("allreduce"), reduction=st.sampled_from(["SUM", "MAX", "MIN"])),
         st.builds(Op, st.sampled_from(["allgather", "alltoall", "reduce_scatter"])),
         st.builds(Op, st.just("bcast"), root=ROOTS),
-        st.builds(Op, st.just("sendrecv"), shift=SHIFTS),
+        st.builds(Op, st.just("sendrecv"), shift=SHIFTS, tagged=st.booleans()),
     )
 
 
@@ -646,17 +648,19 @@ EVERY_OP = (
     Op("allgather"),
     Op("bcast", root=1),
     Op("sendrecv"),
+    Op("sendrecv", tagged=True),  # a known tag: another derivative rule
     Op("alltoall"),
     Op("reduce_scatter"),
     Op("allreduce", reduction="MAX"),
 )
 SHARED = (Op("allreduce"), Op("allgather"), Op("bcast", root=1))
+ALONG_EVERY = "along " + ",".join(NAMES)  # every process: on 4, the 2x2 mesh of issue 58
 NO = (False, False)  # an explicit example's mark and branch
 
 
 @given(example=examples(posted=False).filter(lambda e: excluded(e) is None))
 @hypothesis.example(example=Example("world", EVERY_OP, (), "check_vma", "grad", "jax.jit", *NO))
-@hypothesis.example(example=Example("along x", SHARED, (), "no check_vma", "vjp", "jax.jit", *NO))
+@hypothesis.example(example=Example(ALONG_EVERY, SHARED, (), "no check_vma", "vjp", "jax.jit", *NO))
 @hypothesis.example(
     example=Example(
         "along x", SHARED[::2], ("grad",), "check_vma", "vjp", "jaxcomm.jit", *NO, Op("allgather")
