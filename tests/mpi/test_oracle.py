@@ -281,10 +281,11 @@ class Theirs:
         line = sorted(group.members, key=lambda r: _index(r, group.axes))
         self.order = np.array([group.members.index(r) for r in line])
         self.at = np.argsort(self.order)
-        # ppermute numbers devices in the mesh's order of the axes, whatever
-        # the order they are given in (docs/sharded.md).
-        in_mesh_order = tuple(a for a in NAMES if a in group.axes)
-        self.numbered = [_index(r, in_mesh_order) for r in group.members]
+        # ppermute is given the axes in the mesh's order, where every JAX
+        # release numbers devices alike (docs/sharded.md; JAX 0.12 refuses
+        # them in another order): numbered[c], comm rank c's number there.
+        self.in_mesh_order = tuple(a for a in NAMES if a in group.axes)
+        self.numbered = [_index(r, self.in_mesh_order) for r in group.members]
 
     def run(self, op: Op, x):
         a = self.axes
@@ -300,7 +301,7 @@ class Theirs:
         if op.name in ("sendrecv", "ring"):
             k = op.shift % self.n
             pairs = [(self.numbered[c], self.numbered[(c + k) % self.n]) for c in range(self.n)]
-            moved = lax.ppermute(self._varying(x), a, pairs)
+            moved = lax.ppermute(self._varying(x), self.in_mesh_order, pairs)
             return moved if op.name == "sendrecv" else 2 * moved
         if op.name == "alltoall":
             return lax.all_to_all(self._varying(x)[self.order], a, 0, 0)[self.at]
