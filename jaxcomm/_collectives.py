@@ -2,8 +2,9 @@
 and on a Cartesian grid or a distributed graph neighbor_allgather and
 neighbor_alltoall.
 
-bcast and allgather give every rank the same result: one replicated value, whose
-cotangent is expected to be replicated (checked in checking mode). gather,
+bcast and allgather give every rank the same result: where it is one replicated
+value, its cotangent is expected to be replicated (checked in checking mode),
+else the cotangents are summed (jaxcomm._replicated.shared_cotangent). gather,
 scatter and alltoall have rank-dependent results and exact adjoints.
 """
 
@@ -22,7 +23,7 @@ from jaxcomm._primitive import (
     on_root,
     same_shape,
 )
-from jaxcomm._replicated import pvary, replicated_cotangent
+from jaxcomm._replicated import shared_cotangent
 from jaxcomm._rules import (
     batch_elementwise,
     define_rules,
@@ -152,8 +153,8 @@ def neighbor_allgather_transpose(ct, *, comm: CommInfo, neighborhood: Neighborho
 
 
 def _bcast_transpose(cts, x, *, comm, root):
-    ct = replicated_cotangent(instantiate(cts[0]), comm=comm, operation="bcast")
-    return [on_rank(comm.rank == root, pvary(ct, comm=comm))]
+    ct = shared_cotangent(instantiate(cts[0]), comm=comm, operation="bcast")
+    return [on_rank(comm.rank == root, ct)]
 
 
 def _gather_transpose(cts, x, *, comm, root):
@@ -163,9 +164,8 @@ def _gather_transpose(cts, x, *, comm, root):
 
 
 def _allgather_transpose(cts, x, *, comm):
-    ct = instantiate(cts[0])
-    ct = replicated_cotangent(ct, comm=comm, operation="allgather")
-    return [pvary(ct, comm=comm)[comm.rank]]
+    ct = shared_cotangent(instantiate(cts[0]), comm=comm, operation="allgather")
+    return [ct[comm.rank]]
 
 
 def _scatter_transpose(cts, x, *, comm, root):

@@ -31,6 +31,7 @@ from jaxcomm import _lockstep
 __all__ = [
     "COMM_EFFECT",
     "ArrayImpl",
+    "OrderedPrimitive",
     "apply_primitive",
     "at_top_level",
     "axis_sizes",
@@ -121,9 +122,11 @@ def taking_part(trace: Any, args: Sequence[Any]) -> Sequence[Any]:
     (and, transposed, its cotangent) calls. Whether an operand depends on the
     differentiated inputs differs between ranks (a receive's template, data sent
     from a constant, a contribution only some ranks differentiate); the messages
-    must not. The zero of a linearization is a linear value (computed from an
-    input of the linear function, or a frozen ref, both of which JAX transposes
-    as linear), so the transposed call is made too.
+    must not. The zero is a linear value (computed from an input of the linear
+    function, or a frozen ref, both of which JAX transposes as linear), so the
+    transposed call is made too. So is the zero of a forward derivative that JAX
+    then splits by what depends on the tangents (jax.checkpoint's body): computed
+    from a tangent input of the derivative, it is split with the tangents.
     """
     if isinstance(trace, ad.JVPTrace | ad.LinearizeTrace):
         return [_with_tangent(trace, x) for x in args]
@@ -137,7 +140,10 @@ def _with_tangent(trace: Any, x: Any) -> Any:
         return x
     if isinstance(trace, ad.JVPTrace):
         with core.set_current_trace(trace.parent_trace):
-            return ad.JVPTracer(trace, primal, ad.instantiate_zeros(tangent))
+            zeros = _zeros_tied_to_an_input(trace.parent_trace, aval)
+            if zeros is None:
+                zeros = ad.instantiate_zeros(tangent)
+        return ad.JVPTracer(trace, primal, zeros)
     with core.set_current_trace(trace.tangent_trace):
         linear_zeros = _zeros_tied_to_an_input(trace.tangent_trace, aval)
         if linear_zeros is None:
@@ -145,21 +151,26 @@ def _with_tangent(trace: Any, x: Any) -> Any:
     return ad.LinearizeTracer(trace, primal, linear_zeros)
 
 
-def _zeros_tied_to_an_input(tangent_trace: Any, aval: core.ShapedArray) -> Any:
-    """Zeros of type `aval`, computed linearly (an empty slice, padded) from a
-    floating-point input of the linear function being traced, or None if it has none.
+def _zeros_tied_to_an_input(trace: Any, aval: core.ShapedArray) -> Any:
+    """Zeros of type `aval`, computed linearly (an empty slice, padded) from the
+    last floating-point input of the function `trace` traces, or None if it has none:
+    a linear function, whose inputs are all tangents, or a forward derivative,
+    whose tangents follow its primals (ad.jvp_jaxpr).
 
     A linear function is transposed only where it uses its linear inputs: inside a
     jit whose function ignores its differentiated input on this rank (a receive
     into a constant template on every rank but the sender), the operation would
     otherwise be evaluated forward when a derivative is transposed, unlike on the
-    other ranks, and the ranks' messages would not pair up.
+    other ranks, and the ranks' messages would not pair up. A forward derivative
+    that JAX splits into a part it runs now and a linear part (jax.checkpoint's)
+    splits by what depends on the tangents: an operation on constant zeros would
+    run with the primal computation here and be transposed on the other ranks.
     """
-    inputs = getattr(getattr(tangent_trace, "frame", None), "invars", ())
+    inputs = getattr(getattr(trace, "frame", None), "invars", ())
     floats = [v for v in inputs if isinstance(v.aval, core.ShapedArray) and _inexact(v.aval)]
     if not floats:
         return None
-    source = pe.DynamicJaxprTracer(tangent_trace, floats[0].aval, floats[0], None)
+    source = pe.DynamicJaxprTracer(trace, floats[-1].aval, floats[-1], None)
     empty = jax.lax.slice_in_dim(source.reshape(-1), 0, 0)
     if jax.numpy.iscomplexobj(empty) and not jax.numpy.issubdtype(aval.dtype, np.complexfloating):
         empty = jax.lax.real(empty)
@@ -183,6 +194,69 @@ def host_arrays(aval: core.ShapedArray, device: Any) -> Callable[[np.ndarray], j
 @functools.cache
 def _on(device: Any) -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(device)
+
+
+# Where JAX's reverse mode may move work out of a loop: the body of lax.scan, and
+# of lax.fori_loop (a scan when its bounds are static), as JAX names them.
+_HOISTING_LOOPS = ("scan", "fori_loop")
+# The parameter that marks an equation of a scan body that JAX binds again.
+_REPLAYED = "jaxcomm_replayed"
+
+
+class _InScanBody(dict):
+    """The parameters of a jaxcomm equation traced in a scan body."""
+
+
+class OrderedPrimitive(core.Primitive):
+    """A primitive with jaxcomm's ordered effect, which stays in the loop body it
+    was traced in.
+
+    Reverse-mode differentiation of lax.scan moves the equations of its body
+    whose operands do not change between iterations out of the loop, to run
+    once; JAX does that to its own effects too (JAX issue 16637). It finds them
+    by binding the body's equations again (core.eval_jaxpr, which asks
+    `get_bind_params` for their parameters) in a partial evaluation whose known
+    operands are the loop's constants, and evaluates those it knows at once,
+    outside the loop. An operation whose operands do not change (a receive into
+    zeros_like, a constant sent) would run once, before the loop, on the ranks
+    where they do not change and in every iteration on the others, and the
+    ranks' messages would not pair up. So a jaxcomm equation traced in a scan
+    body is staged when a partial evaluation binds it again: it stays in the
+    loop, where it was traced, and runs as often. JAX splits a scan body by
+    evaluating it this way too when it linearizes a custom_jvp rule or a
+    while_loop that calls one, and then fails with "Linearization failed": the
+    primal operations could not run first. Under JAX's direct linearization
+    (its default) nothing else does; without it, every derivative of a scan is
+    computed so, and jaxcomm keeps JAX's behaviour there.
+    """
+
+    def get_bind_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(params, _InScanBody):
+            return _InScanBody(params, **{_REPLAYED: True})
+        return super().get_bind_params(params)
+
+    def bind_with_trace(self, trace, args, avals, params, /):
+        if _REPLAYED in params:
+            params = _InScanBody({k: v for k, v in params.items() if k != _REPLAYED})
+            if isinstance(trace, pe.JaxprTrace) and config.use_direct_linearize.value:
+                return _staged(trace, self, args, params)
+        elif _scan_body(trace):
+            params = _InScanBody(params)
+        return super().bind_with_trace(trace, args, avals, params)
+
+
+def _scan_body(trace: Any) -> bool:
+    """Whether `trace` traces the body of a loop that JAX's reverse mode may hoist
+    work out of."""
+    debug_info = getattr(getattr(trace, "frame", None), "debug_info", None)
+    return getattr(debug_info, "traced_for", None) in _HOISTING_LOOPS
+
+
+def _staged(trace: pe.JaxprTrace, primitive: core.Primitive, args: Sequence[Any], params):
+    """`primitive` staged into the jaxpr that `trace` builds, known operands or not."""
+    with core.set_current_trace(trace.parent_trace):
+        tracers = [trace.instantiate_const(trace.to_jaxpr_tracer(x)) for x in args]
+        return trace.default_process_primitive(primitive, tracers, params)
 
 
 def register_lowering(primitive: core.Primitive, rule: Callable, platform: str | None = None):
@@ -363,7 +437,7 @@ def _ordered_call_lowering(ctx: mlir.LoweringRuleContext, marker: Any, *args: An
     return [done, *results]
 
 
-_ordered_call_p = core.Primitive("jaxcomm_ordered_call")
+_ordered_call_p = OrderedPrimitive("jaxcomm_ordered_call")
 _ordered_call_p.multiple_results = True
 _ordered_call_p.def_effectful_abstract_eval(_ordered_call_abstract_eval)
 register_lowering(_ordered_call_p, _ordered_call_lowering)

@@ -21,6 +21,7 @@ from jax.extend.core import Primitive
 from jaxcomm import _sharded
 from jaxcomm._jax_internals import (
     COMM_EFFECT,
+    OrderedPrimitive,
     apply_primitive,
     lower_with_token,
     register_lowering,
@@ -92,7 +93,7 @@ def _batch(args, dims, *, results, vmap_method, **params):
 
 def kernel_primitive(target: str) -> Primitive:
     if target not in _primitives:
-        primitive = Primitive(target)
+        primitive = OrderedPrimitive(target)
         primitive.multiple_results = True
         primitive.def_impl(partial(apply_primitive, primitive))
         primitive.def_effectful_abstract_eval(_abstract_eval)

@@ -23,9 +23,10 @@ Under AD the tangent of a linear operation is posted and waited alongside the
 primal one; a non-linear reduction (MAX, PROD...) computes its tangent at the
 wait, with blocking calls. The transpose of a wait posts the adjoint operation
 and the transpose of the start waits for it, so that cotangents overlap the
-backward pass as the primal messages overlap the forward pass. Adjoints that
-need no message under jaxcomm's gradient convention (iallreduce, ibcast,
-iallgather) are computed at the wait's transpose.
+backward pass as the primal messages overlap the forward pass. The adjoints of
+results that every rank holds alike (iallreduce, ibcast, iallgather) are
+computed at the wait's transpose: without a message where the result is one
+value, else with a blocking allreduce (jaxcomm._replicated.shared_cotangent).
 
 What the user holds, a Request, and how a post on a pytree becomes these
 primitives' calls, is jaxcomm._requests.
@@ -42,7 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import core
-from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 from mpi4py import MPI
 
@@ -50,6 +50,7 @@ from jaxcomm import _collectives, _p2p, _reductions, _replicated, _sharded, _var
 from jaxcomm._datatypes import ReduceOp
 from jaxcomm._jax_internals import (
     COMM_EFFECT,
+    OrderedPrimitive,
     apply_primitive,
     lower_with_token,
     manual_axes,
@@ -214,7 +215,7 @@ def _wait_shapes(*operands, operation, comm, **_):
     return [result, *_sharded.type_results([_p2p.STATUS], [request], comm, operation, "same")]
 
 
-wait_p = Primitive("jaxcomm_wait")
+wait_p = OrderedPrimitive("jaxcomm_wait")
 wait_p.multiple_results = True
 
 
@@ -239,7 +240,7 @@ def _wait_lowering(ctx, *operands, operation, comm, params):
 
 # -- polling ---------------------------------------------------------------------------
 
-test_p = Primitive("jaxcomm_test")
+test_p = OrderedPrimitive("jaxcomm_test")
 test_p.def_impl(lambda request: jnp.asarray(test_now(request)))
 _DONE = core.ShapedArray((), np.bool_)
 test_p.def_effectful_abstract_eval(
@@ -432,9 +433,8 @@ def _reversed(comm: CommInfo, params: dict) -> tuple[CommInfo, dict]:
     return reverse, {**params, "neighborhood": back}
 
 
-def _pvaried(ct, comm, operation):
-    ct = _replicated.replicated_cotangent(ct, comm=comm, operation=operation)
-    return _replicated.pvary(ct, comm=comm)
+def _shared(ct, comm, operation):
+    return _replicated.shared_cotangent(ct, comm=comm, operation=operation)
 
 
 def _reversed_from_root(root, **_):
@@ -472,12 +472,12 @@ def _reply(**p):
 
 
 ADJOINTS: dict[str, Adjoint] = {
-    "iallreduce": Adjoint(None, local=lambda ct, comm, **_: _pvaried(ct, comm, "iallreduce")),
+    "iallreduce": Adjoint(None, local=lambda ct, comm, **_: _shared(ct, comm, "iallreduce")),
     "ibcast": Adjoint(
         None,
-        local=lambda ct, comm, root: on_rank(comm.rank == root, _pvaried(ct, comm, "ibcast")),
+        local=lambda ct, comm, root: on_rank(comm.rank == root, _shared(ct, comm, "ibcast")),
     ),
-    "iallgather": Adjoint(None, local=lambda ct, comm: _pvaried(ct, comm, "iallgather")[comm.rank]),
+    "iallgather": Adjoint(None, local=lambda ct, comm: _shared(ct, comm, "iallgather")[comm.rank]),
     "ialltoall": Adjoint("ialltoall"),
     "ineighbor_allgather": Adjoint(None, local=_collectives.neighbor_allgather_transpose),
     "ineighbor_alltoall": Adjoint("ineighbor_alltoall", over=_reversed),

@@ -18,7 +18,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from jax import core
-from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from mpi4py import MPI
 
@@ -26,6 +25,7 @@ from jaxcomm import _checks, _sharded
 from jaxcomm._checks import Check
 from jaxcomm._jax_internals import (
     COMM_EFFECT,
+    OrderedPrimitive,
     apply_primitive,
     lower_with_token,
     lowering_mesh,
@@ -90,7 +90,7 @@ def off_root(*, comm: CommInfo, root: int, **_) -> bool:
     return comm.rank != root
 
 
-class CommPrimitive(Primitive):
+class CommPrimitive(OrderedPrimitive):
     """A jaxcomm operation, as declared by `comm_primitive`. Binding it outside a
     trace compiles it; jaxcomm._eager runs it on concrete host arrays without
     JAX's dispatch, from the same declaration."""
@@ -127,10 +127,10 @@ class CommPrimitive(Primitive):
             args = _sharded.vary_operands(args, params["comm"], self.operation)
         return super().bind(*args, **params)
 
-    def bind_with_trace(self, trace, args, *rest):
+    def bind_with_trace(self, trace, args, avals, params, /):
         # Every rank's messages must be the same whatever its operands depend on:
         # see taking_part.
-        return super().bind_with_trace(trace, taking_part(trace, args), *rest)
+        return super().bind_with_trace(trace, taking_part(trace, args), avals, params)
 
     def check_params(self, params: dict[str, Any], comm: CommInfo) -> None:
         """Check a caller's `params` as declared, in place: each becomes the value

@@ -1,13 +1,13 @@
-"""Reductions: allreduce, reduce, scan, exscan, reduce_scatter; and the transpose
-of pvary (jaxcomm._replicated), an allreduce.
+"""Reductions: allreduce, reduce, scan, exscan, reduce_scatter.
 
 Each function takes one array and static arguments, checked by the JaxComm layer
 against the parameters each primitive declares.
 
-Gradient convention (see docs/autodiff): allreduce's result is one replicated
-value, so its transpose passes the (replicated) cotangent through unchanged via
-pvary, and pvary's transpose is an allreduce. The other reductions have results
-that differ between ranks and use their exact adjoints.
+Gradient rule (see docs/autodiff): allreduce's result is the same on every rank;
+where it is one replicated value its transpose passes the (replicated)
+cotangent through unchanged via pvary, else it sums the cotangents
+(jaxcomm._replicated.shared_cotangent). The other reductions have results that
+differ between ranks and use their exact adjoints.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from jaxcomm._checks import ROOT, reduce_op
 from jaxcomm._collectives import allgather, bcast
 from jaxcomm._datatypes import ReduceOp
 from jaxcomm._primitive import CommInfo, asked_in_place, comm_primitive, off_root, same_shape
-from jaxcomm._replicated import pvary, pvary_p, replicated_cotangent
+from jaxcomm._replicated import pvary, shared_cotangent
 from jaxcomm._rules import (
     batch_elementwise,
     define_rules,
@@ -177,7 +177,7 @@ def _linear_only(name, transpose):
 
 
 def _allreduce_transpose(ct, *, comm):
-    return pvary(replicated_cotangent(ct, comm=comm, operation="allreduce"), comm=comm)
+    return shared_cotangent(ct, comm=comm, operation="allreduce")
 
 
 def _reduce_transpose(ct, *, comm, root):
@@ -219,7 +219,3 @@ for _primitive, _tangent, _transpose, _batch in [
         transpose=_linear_only(_primitive.name.removeprefix("jaxcomm_"), _transpose),
         batch=_batch or batch_elementwise(_primitive),
     )
-define_rules(
-    pvary_p,
-    transpose=lambda cts, x, *, comm: [allreduce(instantiate(cts[0]), comm=comm, op=ReduceOp.SUM)],
-)

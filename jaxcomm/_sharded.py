@@ -9,17 +9,23 @@ this process's block, and its results carry JAX's varying-axes types
   typed as JAX's collectives over those axes: a result that every rank of the
   communicator holds alike (allreduce, bcast, allgather, allgatherv; the
   operation is declared ``vma="replicated"``) is invariant along `axes`, as
-  ``lax.psum``'s is, and jaxcomm's gradient convention for such results is
-  then exactly JAX's (the cotangent of an invariant value is one value);
+  ``lax.psum``'s is;
 - any other communicator may group processes in any way (``split``, a graph,
   COMM_WORLD over a mesh of some of its processes): JAX cannot know along
-  which axes its results agree, so they vary along every manual axis. Its
-  gradient convention is jaxcomm's, as outside shard_map.
+  which axes its results agree, so they vary along every manual axis.
 
 Every operand is first made varying along the axes the communicator spans,
 with JAX's own ``pcast(..., to="varying")``, as JAX's collectives do: an
 operand that is invariant along them is one value for JAX, whose cotangent
 JAX sums over those axes.
+
+One gradient rule follows from these types (`one_value`): a result that every
+rank holds alike is one value, whose cotangent passes back as it is
+(jaxcomm._replicated), only where JAX's types make it invariant, or outside
+shard_map (jaxcomm's convention). Any other such result inside shard_map
+(another communicator, or check_vma off: no types, as for JAX's psum) is one
+value per device, and its transpose is the exact adjoint, which sums every
+device's cotangent, as JAX's transposes of its varying collectives do.
 
 JAX pairs its own collectives across processes by their place in the compiled
 program, so beside them every process must compile the same one. Inside
@@ -40,7 +46,15 @@ import numpy as np
 from mpi4py import MPI
 
 from jaxcomm import _settings
-from jaxcomm._jax_internals import axis_sizes, lowering_mesh, manual_axes, typed, vary, varying
+from jaxcomm._jax_internals import (
+    axis_sizes,
+    in_shard_map,
+    lowering_mesh,
+    manual_axes,
+    typed,
+    vary,
+    varying,
+)
 
 
 class Span(NamedTuple):
@@ -102,22 +116,33 @@ def vary_operands(operands: Sequence[Any], comm: Any, operation: str) -> list[An
     return [vary(x, common) for x in operands]
 
 
+def one_value(comm: Any, operation: str) -> bool:
+    """Whether a result that every rank of `comm` holds alike (vma="replicated")
+    is one value for AD: outside shard_map (jaxcomm's convention), and inside
+    where JAX's types make it invariant (check_vma on, a communicator made by
+    along()). Elsewhere inside shard_map it is one value per device: its
+    cotangents differ between devices, and its transpose sums them."""
+    if not in_shard_map():
+        return True
+    return comm.span is not None and bool(spanned(comm, operation))
+
+
 def type_results(
     results: Sequence[Any], operands: Sequence[Any], comm: Any, operation: str, vma: str
 ) -> list[Any]:
     """The results' types inside shard_map: varying along what the operands vary
     along and the axes `comm` spans; for vma="replicated" the first result,
-    which every rank of comm holds alike, is invariant along a span that
-    along() made; for vma="same", the first operand's type (an identity)."""
+    which every rank of comm holds alike, is invariant along the span where it
+    is one value (`one_value`); for vma="same", the first operand's type (an
+    identity)."""
     axes = spanned(comm, operation)
     if not axes:
         return list(results)
     common = frozenset().union(*(varying(a) for a in operands))
     if vma == "same":
         return [typed(r, common) for r in results]
-    common |= axes
-    typed_results = [typed(r, common) for r in results]
-    if vma == "replicated" and comm.span is not None and typed_results:
+    typed_results = [typed(r, common | axes) for r in results]
+    if vma == "replicated" and one_value(comm, operation) and typed_results:
         typed_results[0] = typed(results[0], common - axes)
     return typed_results
 

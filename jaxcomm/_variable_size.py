@@ -10,9 +10,10 @@ tangent or cotangent costs one exchange of rows only.
 
 All four are linear in x and the counts carry no tangent. Adjoints: alltoallv's
 is an alltoallv back with the counts swapped; gatherv's a scatterv and
-scatterv's a gatherv; allgatherv's result is one replicated value, so, as for
-allgather, its cotangent is expected to be replicated and each rank takes its own
-rows of it.
+scatterv's a gatherv; allgatherv's result is the same on every rank, so, as for
+allgather, each rank takes its own rows of its cotangent, which is expected to
+be replicated where the result is one value, else summed over ranks
+(jaxcomm._replicated.shared_cotangent).
 
 neighbor_alltoallv and neighbor_allgatherv exchange rows with the sources and
 destinations of a graph or Cartesian grid (MPI_Neighbor_*). Their adjoints go
@@ -43,7 +44,7 @@ from jaxcomm._collectives import (
     scatter,
 )
 from jaxcomm._primitive import CommInfo, comm_primitive
-from jaxcomm._replicated import pvary, replicated_cotangent
+from jaxcomm._replicated import shared_cotangent
 from jaxcomm._rules import (
     define_rules,
     differentiable,
@@ -170,8 +171,7 @@ def _alltoallv_transpose(cts, x, send, recv, *, comm, capacity, exchange, agree)
 def _allgatherv_transpose(cts, x, count, counts, *, comm, capacity, exchange, agree):
     if exchange == EXCHANGED:
         counts = learnt_counts("allgatherv", count, counts, comm=comm)
-    ct = replicated_cotangent(instantiate(cts[0]), comm=comm, operation="allgatherv")
-    ct = pvary(ct, comm=comm)
+    ct = shared_cotangent(instantiate(cts[0]), comm=comm, operation="allgatherv")
     batch = batch_of(count, 0)
     like = core.ShapedArray(x.aval.shape[len(batch) :], x.aval.dtype)
     own = partial(_own_rows, rank=comm.rank, like=like)

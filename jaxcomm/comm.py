@@ -719,7 +719,12 @@ class JaxComm:
         The identity on values. Under the gradient convention, the cotangent of a
         replicated value (an allreduce, bcast or allgather result) is assumed to be
         identical on every rank; where each rank uses the value differently, pass it
-        through pvary so that its cotangent is summed over ranks instead.
+        through pvary so that its cotangent is summed over ranks instead. Inside
+        ``shard_map`` JAX's types decide (docs/sharded.md): a value invariant along
+        the axes of a communicator made by ``along`` is marked varying; elsewhere
+        results are one value per device already, and x is left as it is (made
+        varying along the communicator's axes with ``jax.lax.pcast`` where JAX
+        holds it as one value).
         """
         leaves, tree = jax.tree.flatten(x)
         leaves = _checks.arrays("pvary", leaves)

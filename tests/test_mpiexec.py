@@ -47,7 +47,11 @@ NETWORK = {
 # The generated examples per property in the runs that repeat a file under other
 # settings: the settings are what those runs test; the plain run of the file
 # draws the default number.
-FEWER_EXAMPLES = {"JAXCOMM_MISUSE_EXAMPLES": "2", "JAXCOMM_LOCKSTEP_EXAMPLES": "4"}
+FEWER_EXAMPLES = {
+    "JAXCOMM_MISUSE_EXAMPLES": "2",
+    "JAXCOMM_LOCKSTEP_EXAMPLES": "4",
+    "JAXCOMM_ORACLE_EXAMPLES": "2",
+}
 
 # The ranks are the processes of one jax.distributed program (tests/mpi/conftest.py
 # starts it), so test_sharded.py runs alone.
@@ -123,16 +127,24 @@ RUNS = {
     "4": Run(4, "MPI's algorithms for a power of two beyond a pair; a 2x2 mesh"),
     "5": Run(5, "MPI's algorithms for an odd count past 3, oversubscribed"),
     "9": Run(9, "the most ranks tested, four times the cores"),
+    # The oracle (test_oracle.py) draws other examples in each run, its seed
+    # depending on the rank count, JAX and MPI: most where a run is cheapest.
     "sharded-1": Run(
-        1, "a jax.distributed program of one process: a mesh and lines of one device", SHARDED
+        1,
+        "a jax.distributed program of one process: a mesh and lines of one device",
+        {**SHARDED, "JAXCOMM_ORACLE_EXAMPLES": "1"},
     ),
     "sharded-2": Run(
         2, "jax.distributed, shard_map and JAX's types on a pair", SHARDED, matrix=False
     ),
     "sharded-3": Run(
-        3, "jax.distributed with distinct neighbours: sendrecv against ppermute", SHARDED
+        3,
+        "jax.distributed with distinct neighbours: sendrecv against ppermute",
+        {**SHARDED, "JAXCOMM_ORACLE_EXAMPLES": "2"},
     ),
-    "sharded-4": Run(4, "comm.along on a 2x2 mesh", SHARDED),
+    "sharded-4": Run(
+        4, "comm.along on a 2x2 mesh", {**SHARDED, "JAXCOMM_ORACLE_EXAMPLES": "1"}
+    ),
     "jax-2": Run(
         2,
         "another JAX release: how jaxcomm traces, lowers, differentiates, batches "
@@ -163,6 +175,13 @@ RUNS = {
         environment="another-mpi",
         matrix=False,
     ),
+    "mpi-sharded-2": Run(
+        2,
+        "another MPI library under jax.distributed: the oracle's programs",
+        {**SHARDED, **FEWER_EXAMPLES},
+        "another-mpi",
+        False,
+    ),
     "mpi-5": Run(
         5, "another MPI library's algorithms on an odd count past 3", {}, "another-mpi", False
     ),
@@ -181,6 +200,7 @@ FILES = {
     "checking": "2 3 network asan jax-2 mpi-3",
     "collectives": "1 2 3 eager-jax:eager asan jax-2 mpi-2 mpi-3",
     "comm": "1 2 3 jax-2 mpi-3",
+    "control_flow_derivatives": "1 2 3 jaxcomm-jit jax-2 mpi-3",
     "counts": "1 3 asan jax-2",  # validated in jaxcomm, before MPI is called
     "eager": "1 3 jaxcomm-jit jax-2",  # the shortcut differs on 1 rank only
     "errors": "1 2 3 eager-jax:truncated jax-2 mpi-2",  # memory: measured on 2
@@ -191,6 +211,7 @@ FILES = {
     "lockstep": "1 2 3 network asan jax-2 mpi-3",
     "misuse": "3 asan jax-2",
     "neighbor_v": "3 asan jax-2 mpi-3",
+    "oracle": "sharded-1 sharded-2 sharded-3 sharded-4 jax-sharded-2 mpi-sharded-2",
     "nonblocking": "1 2 3 eager-jax:eager jaxcomm-jit network asan jax-2 mpi-2 mpi-3",
     "ordered_jit": "5 jax-2",
     "ordering": "2 3 jaxcomm-jit jax-2",
@@ -198,7 +219,7 @@ FILES = {
     "properties": "3 jax-2",
     "reductions": "3 eager-jax:eager asan mpi-2 mpi-3",  # op x dtype: MPI and C++
     "request_safety": "1 2 3 jaxcomm-jit network asan jax-2 mpi-2 mpi-3",
-    "sharded": "sharded-1 sharded-2 sharded-3 sharded-4:along jax-sharded-2",
+    "sharded": "sharded-1 sharded-2 sharded-3 sharded-4:along jax-sharded-2 mpi-sharded-2",
     "sizes": "3 4 5 9 mpi-5",  # 3: the wildcard receive needs a third rank
     "topology": "1 2 3 jax-2 mpi-2 mpi-3",
     "variable_size": "1 3 eager-jax:eager network:nonblocking|ialltoallv asan jax-2 mpi-3",

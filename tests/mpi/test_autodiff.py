@@ -521,7 +521,7 @@ def test_cotangents_pair_with_messages_by_tag(comm, send, receive, second_tag):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "complex64", "int64", "bool"])
 def test_replication_check_names_the_differing_element(comm, dtype):
     from jaxcomm import JaxComm
-    from jaxcomm._reductions import replicated_cotangent
+    from jaxcomm._replicated import replicated_cotangent
 
     checked = JaxComm(comm, check=True)
     x = rank_data(0, (4, 3), dtype)

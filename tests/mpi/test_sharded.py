@@ -244,26 +244,80 @@ def test_grad_and_jvp_equal_those_of_jax_collectives(line):
         np.testing.assert_allclose(_local(a), _local(b), rtol=1e-12)
 
 
-def test_grad_over_another_communicator_keeps_jaxcomm_convention(comm):
-    """A communicator not made by along() may group processes in any way: its
-    results vary along the mesh axes, and the cotangent of an allreduce passes
-    through as one replicated value (jaxcomm's convention, as outside
-    shard_map): d/dx of sum(allreduce(x)^2) on every rank is 2 * allreduce(x)."""
-    x = block(RANK)
+def _ring_step(c, ours: bool, line):
+    """One step of a ring shift by one along the mesh: non-blocking through
+    `line`, a receive into a constant template posted first; or lax.ppermute."""
+    if not ours:
+        return lax.ppermute(2.0 * c, "x", SHIFT)
+    received = line.irecv(jnp.zeros_like(c), source=(line.rank - 1) % line.size)
+    sent = line.isend(2.0 * c, dest=(line.rank + 1) % line.size)
+    line.wait(sent)
+    return line.wait(received)
 
-    def f(x):
-        per_device = jax.shard_map(
-            lambda x: jnp.sum(comm.allreduce(x) ** 2).reshape(1),
-            mesh=MESH,
-            in_specs=P("x"),
-            out_specs=P("x"),
-        )(x)
-        return per_device.sum()
 
-    xs = jax.make_array_from_process_local_data(NamedSharding(MESH, P("x")), x)
-    grad = _local(jax.jit(jax.grad(f))(xs))
-    total = np.stack([block(r) for r in range(N)]).sum(0)
-    np.testing.assert_allclose(grad, 2 * total)
+NONBLOCKING_CONTROL = {
+    "scan": lambda step, x: lax.scan(lambda c, _: (step(c), None), x, None, length=2)[0],
+    "fori_loop": lambda step, x: lax.fori_loop(0, 2, lambda _, c: step(c), x),
+    "checkpoint": lambda step, x: jax.checkpoint(step)(x),
+}
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "no_check_vma"])
+@pytest.mark.parametrize("control", NONBLOCKING_CONTROL)
+def test_nonblocking_derivatives_in_control_flow_equal_jax(line, control, check_vma):
+    """Posts and waits inside a loop or a checkpoint, in shard_map: the gradient
+    and the forward derivative of ppermute's, which is the blocking twin's."""
+
+    def total(ours):
+        def per_device(x):
+            y = NONBLOCKING_CONTROL[control](partial(_ring_step, ours=ours, line=line), x)
+            return (jnp.sin(y) * (lax.axis_index("x") + 1.0)).sum().reshape(1)
+
+        run = jax.shard_map(
+            per_device, mesh=MESH, in_specs=P("x"), out_specs=P("x"), check_vma=check_vma
+        )
+        return lambda x: run(x).sum()
+
+    x, dx = (
+        jax.make_array_from_process_local_data(NamedSharding(MESH, P("x")), a)
+        for a in (block(RANK) / 10.0, np.cos(block(RANK)))
+    )
+    grad = [jax.jit(jax.value_and_grad(total(ours)))(x) for ours in (True, False)]
+    jvp = [jax.jit(partial(jax.jvp, total(ours)))((x,), (dx,)) for ours in (True, False)]
+    for got, want in (grad, jvp):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(_local(a), _local(b), rtol=1e-12)
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "no check_vma"])
+@pytest.mark.parametrize("kind", ["COMM_WORLD", "split", "along"])
+def test_grad_through_every_communicator_equals_psum(comm, line, kind, check_vma):
+    """One gradient rule inside shard_map, for every communicator and both
+    check_vma settings: the derivative is JAX's. A result that every rank holds
+    alike is one value only where JAX's types make it invariant (along() with
+    check_vma); elsewhere it is one per device, so the cotangents of rank-
+    dependent code are summed. d/dx_r of sum_d (d + 1) * sum(allreduce(x)^2)
+    is 2 * allreduce(x) * sum_d (d + 1) on every rank."""
+    c = {"COMM_WORLD": comm, "split": comm.split(0, key=-comm.rank), "along": line}[kind]
+
+    def total(reduce):
+        def per_device(x):
+            weight = lax.axis_index("x") + 1.0  # rank-dependent: the cotangents differ
+            return (jnp.sum(reduce(x) ** 2) * weight).reshape(1)
+
+        body = jax.shard_map(
+            per_device, mesh=MESH, in_specs=P("x"), out_specs=P("x"), check_vma=check_vma
+        )
+        return lambda x: body(x).sum()
+
+    xs = jax.make_array_from_process_local_data(NamedSharding(MESH, P("x")), block(RANK))
+    ours = _local(jax.jit(jax.grad(total(c.allreduce)))(xs))
+    theirs = _local(jax.jit(jax.grad(total(lambda x: lax.psum(x, "x"))))(xs))
+    everyone = np.stack([block(r) for r in range(N)]).sum(0)
+    np.testing.assert_allclose(ours, 2 * everyone * N * (N + 1) / 2, rtol=1e-12)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-12)
+    if kind == "split":
+        c.free()
 
 
 def test_vmap_equals_jax_collectives(line):
