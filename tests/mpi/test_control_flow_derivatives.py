@@ -37,8 +37,11 @@ def constant_template(comm, c, blocking):
         return comm.sendrecv(2 * c, jnp.zeros_like(c), source=left, dest=right)
     received = comm.irecv(jnp.zeros_like(c), source=left)
     sent = comm.isend(2 * c, dest=right)
+    # The receive from ANY_TAG is waited first: its cotangent goes back with a
+    # blocking send (docs/nonblocking.md).
+    value = comm.wait(received)
     comm.wait(sent)
-    return comm.wait(received)
+    return value
 
 
 def constant_data(comm, c, blocking):

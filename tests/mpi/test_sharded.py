@@ -251,8 +251,11 @@ def _ring_step(c, ours: bool, line):
         return lax.ppermute(2.0 * c, "x", SHIFT)
     received = line.irecv(jnp.zeros_like(c), source=(line.rank - 1) % line.size)
     sent = line.isend(2.0 * c, dest=(line.rank + 1) % line.size)
+    # The receive from ANY_TAG is waited first: its cotangent goes back with a
+    # blocking send (docs/nonblocking.md).
+    value = line.wait(received)
     line.wait(sent)
-    return line.wait(received)
+    return value
 
 
 NONBLOCKING_CONTROL = {
