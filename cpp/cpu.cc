@@ -26,18 +26,22 @@ namespace nb = nanobind;
 namespace jaxcomm {
 namespace {
 
-// A handler called by XLA. Out of step, it refuses to run (lockstep.h). When it
-// fails, its computation ends before the waits of the requests it posted
-// (requests.h, abandon_compiled), and this rank may go out of step: `last` says
-// that no jaxcomm operation follows it in its computation (jaxcomm/_lockstep.py).
+// A handler called by XLA. Out of step, or where an earlier computation owes a
+// later operation on a communicator of its computation (`comms`), it refuses to
+// run (lockstep.h). When it fails, its computation ends before the waits of the
+// requests it posted (requests.h, abandon_compiled), and this rank may go out of
+// step: `last` says that no jaxcomm operation follows it in its computation.
+// Once it has run, its computation owes the operations that follow, where
+// jaxcomm sees where the computation ends (`tracked`; jaxcomm/_lockstep.py).
 template <auto Function>
 struct Compiled;
 
 template <typename... Args, ffi::Error (*Function)(Args...)>
 struct Compiled<Function> {
-  static ffi::Error Run(ffi::RunId run, Args... args, bool last) {
+  static ffi::Error Run(ffi::RunId run, Args... args, bool last, ffi::Span<const int64_t> comms,
+                        bool tracked) {
     constexpr std::string_view operation = kOperationName<Function>;
-    if (!in_step()) return refusal(operation);
+    if (!may_run(run.run_id, comms)) return refusal(operation);
     Entered entered(operation);
     std::optional<mpi::Executing> executing;  // a start's requests are the execution's
     if constexpr (kStarts<Function>) executing.emplace(run.run_id);
@@ -45,6 +49,8 @@ struct Compiled<Function> {
     if (error.failure()) {
       failed(operation, error, last, on_python_thread());
       mpi::abandon_compiled(run.run_id);
+    } else if (tracked) {
+      ran(run.run_id, comms, last, operation);
     }
     return error;
   }
@@ -54,7 +60,7 @@ struct Compiled<Function> {
 
 #define JAXCOMM_DEFINE_CPU_HANDLER(name, function, binding, attributes)        \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name, Compiled<&mpi::function>::Run, \
-                                binding attributes.Attr<bool>("last"));
+                                binding attributes JAXCOMM_BIND_LOCKSTEP_ATTRIBUTES);
 // The execution's RunId first: whose requests a failure abandons.
 #define JAXCOMM_CPU_BASE ffi::Ffi::Bind().Ctx<ffi::RunId>()
 JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CPU_HANDLER, JAXCOMM_CPU_BASE, JAXCOMM_BIND_ATTRIBUTE)
@@ -94,6 +100,7 @@ NB_MODULE(_jaxcomm_cpu, m) {
     JAXCOMM_REGISTER(wait, _)
     JAXCOMM_REGISTER(test, _)
     targets["jaxcomm_in_step"] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_in_step));
+    targets["jaxcomm_settled"] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_settled));
 #undef JAXCOMM_REGISTER
     return targets;
   });
@@ -144,8 +151,14 @@ NB_MODULE(_jaxcomm_cpu, m) {
       nb::arg("operation"), "The error that refuses `operation` while out of step, else None.");
   m.def("out_of_step", &jaxcomm::out_of_step,
         "Why this rank is out of step with its peers (lockstep.h), or None.");
+  m.def("refusal_pending", &jaxcomm::refusal_pending,
+        "Why the next refused call would put this rank out of step (lockstep.h), or None.");
+  m.def("refusal_known", &jaxcomm::refusal_known, nb::arg("refused"),
+        "Whether the refusal that refusal_pending() announces happened (lockstep.h).");
   m.def("diverge", &jaxcomm::diverge, nb::arg("why"),
         "Put this rank out of step: `why` says which of its calls did not run.");
+  m.def("diverge_if_owed", &jaxcomm::diverge_if_owed,
+        "Put this rank out of step if a computation still owes operations (lockstep.h).");
   m.def("end_job_when_out_of_step", &jaxcomm::end_job_when_out_of_step,
         "From now on, going out of step ends the job (lockstep.h).");
   m.def("resume", &jaxcomm::resume,

@@ -301,14 +301,19 @@ struct Staged<Function> {
     return pointers == Pointers::kDevice || !(is_half_float(args) || ...);
   }
 
-  // Out of step, refuses to run; a failure may put this rank out of step
-  // (lockstep.h; `last` as for the CPU handlers, cpu.cc).
-  static ffi::Error Run(cudaStream_t stream, Args... args, bool last) {
+  // Refuses to run as the CPU handlers do; a failure may put this rank out of
+  // step (lockstep.h; the attributes as for the CPU handlers, cpu.cc).
+  static ffi::Error Run(cudaStream_t stream, ffi::RunId run, Args... args, bool last,
+                        ffi::Span<const int64_t> comms, bool tracked) {
     constexpr std::string_view operation = kOperationName<Function>;
-    if (!in_step()) return refusal(operation);
+    if (!may_run(run.run_id, comms)) return refusal(operation);
     Entered entered(operation);
     ffi::Error error = Stage(stream, args...);
-    if (error.failure()) failed(operation, error, last, on_python_thread());
+    if (error.failure()) {
+      failed(operation, error, last, on_python_thread());
+    } else if (tracked) {
+      ran(run.run_id, comms, last, operation);
+    }
     return error;
   }
 
@@ -333,9 +338,9 @@ struct Staged<Function> {
 
 #define JAXCOMM_DEFINE_CUDA_HANDLER(name, function, binding, attributes)            \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_##name##_cuda, Staged<&mpi::function>::Run, \
-                                binding attributes.Attr<bool>("last"));
+                                binding attributes JAXCOMM_BIND_LOCKSTEP_ATTRIBUTES);
 JAXCOMM_OPERATIONS(JAXCOMM_DEFINE_CUDA_HANDLER,
-                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(),
+                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::RunId>(),
                    JAXCOMM_BIND_ATTRIBUTE)
 #undef JAXCOMM_DEFINE_CUDA_HANDLER
 
@@ -350,6 +355,7 @@ NB_MODULE(_jaxcomm_cuda, m) {
     JAXCOMM_OPERATIONS(JAXCOMM_REGISTER, _, JAXCOMM_ATTRIBUTE_NAME)
 #undef JAXCOMM_REGISTER
     targets["jaxcomm_in_step"] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_in_step));
+    targets["jaxcomm_settled"] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_settled));
     return targets;
   });
   // This module has its own copy of call.cc's state: jaxcomm._native configures

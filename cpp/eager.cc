@@ -187,6 +187,7 @@ class EagerCall {
         templates_(templates),
         input_codes_(std::move(input_codes)),
         attrs_(std::move(attrs)),
+        comm_key_(nb::cast<int64_t>(attrs_[0])),  // (comm, check, then the op's own)
         before_(std::move(before)),
         fail_(std::move(fail)) {
     for (auto& [allocate, code, wrap] : outputs) {
@@ -200,7 +201,8 @@ class EagerCall {
   // computation, of one operation, run on the Python thread: an error leaves this
   // rank in step if it is paired (lockstep.h). So does Ctrl-C, which cancels a
   // receive and leaves a send to MPI. A call that `before()` refuses (an earlier
-  // computation failed) never runs, while the peers run theirs.
+  // computation failed) never runs, while the peers run theirs; nor does one on
+  // a communicator on which an earlier computation owes an operation.
   nb::list operator()(nb::args inputs) const {
     if (inputs.size() != templates_ + input_codes_.size()) {
       throw nb::type_error("jaxcomm eager call: wrong number of arrays");
@@ -213,6 +215,8 @@ class EagerCall {
               nb::str(error.value()).c_str() + ")");
       throw;
     }
+    // Once the computations before it are done: one still running owes nothing yet.
+    if (!may_run(std::nullopt, {&comm_key_, 1})) raise(refusal(operation_));
     std::vector<nb::object> outputs;
     outputs.reserve(allocate_.size());
     for (const nb::object& allocate : allocate_) outputs.push_back(allocate());
@@ -245,6 +249,7 @@ class EagerCall {
   std::vector<int> input_codes_, output_codes_;
   std::vector<nb::object> allocate_, wrap_;
   nb::tuple attrs_;
+  int64_t comm_key_;
   nb::object before_, fail_;
 };
 

@@ -8,9 +8,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 
 #include "call.h"
@@ -18,11 +20,28 @@
 namespace jaxcomm {
 namespace {
 
+// What one communicator is owed: by which execution, after which operation.
+struct Owed {
+  int64_t run;
+  std::string_view operation;  // a name of the table of operations: static
+};
+
+// `sole` is the one execution that owes operations, or one of these.
+constexpr int64_t kNobody = std::numeric_limits<int64_t>::min();
+constexpr int64_t kSeveral = kNobody + 1;
+
 struct State {
   std::atomic<bool> diverged{false};
   std::atomic<bool> end_job{false};  // end_job_when_out_of_step()
   std::mutex mutex;
   std::string why;
+  std::atomic<bool> refusal_due{false};  // `pending` says why
+  std::string pending;                   // refusal_pending(), under `mutex`
+  // What computations owe (ran), by communicator key, under `owed_mutex`; `sole`
+  // lets an operation of the execution that owes pass without the lock.
+  std::mutex owed_mutex;
+  std::unordered_map<int64_t, Owed> owed;
+  std::atomic<int64_t> sole{kNobody};
 };
 
 State own_state;
@@ -52,6 +71,24 @@ int world_size() {
   return size;
 }
 
+// Why the rank goes out of step where `owing` is still owed.
+std::string stopped(const Owed& owing) {
+  return "a computation stopped after its " + std::string(owing.operation) +
+         ", before its later jaxcomm operations, which the peers wait for, had run (stopped by "
+         "a failure that jaxcomm does not see: a host callback, a custom kernel, XLA, memory; or "
+         "another thread's computation uses the communicator meanwhile)";
+}
+
+// `sole` from what is owed (with owed_mutex held).
+int64_t sole_owner(const std::unordered_map<int64_t, Owed>& owed) {
+  int64_t owner = kNobody;
+  for (const auto& [comm, owing] : owed) {
+    if (owner != kNobody && owner != owing.run) return kSeveral;
+    owner = owing.run;
+  }
+  return owner;
+}
+
 int world_rank() {
   int rank = -1, initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
@@ -78,9 +115,17 @@ void failed(std::string_view operation, const ffi::Error& error, bool last, bool
   } else if (!last) {
     why = "and the later operations of its computation did not run";
   } else if (!synchronous) {
-    why =
-        "after the call that dispatched its computation had returned, so JAX gives the error to "
-        "the next call with jaxcomm's effect instead of running it";
+    // In step until that next call: the rank's next operation comes after it.
+    State& s = *shared;
+    std::lock_guard lock(s.mutex);
+    if (!s.refusal_due.load(std::memory_order_relaxed)) {
+      s.refusal_due.store(true, std::memory_order_release);
+      s.pending = std::string(operation) +
+                  " failed after the call that dispatched its computation had returned, and JAX "
+                  "refuses the next call with jaxcomm's effect instead of running it (" +
+                  error.message() + ")";
+    }
+    return;
   } else {
     return;
   }
@@ -100,6 +145,60 @@ void diverge(std::string why) {
           " ends the job: it is out of step with its peers (" + why +
           "), and JAX's own collectives in shard_map, which jaxcomm cannot refuse, would pair "
           "with the wrong calls of its peers.\n");
+}
+
+bool may_run(std::optional<int64_t> run, ffi::Span<const int64_t> comms) {
+  State& s = *shared;
+  if (s.diverged.load(std::memory_order_acquire)) return false;
+  const int64_t sole = s.sole.load(std::memory_order_acquire);
+  const bool due = s.refusal_due.load(std::memory_order_acquire);
+  if (!due && (sole == kNobody || (run && sole == *run))) return true;
+  std::string why;
+  if (due) {
+    std::lock_guard lock(s.mutex);
+    why = std::move(s.pending);
+    s.pending.clear();
+    s.refusal_due.store(false, std::memory_order_release);
+  }
+  if (why.empty()) {
+    std::lock_guard lock(s.owed_mutex);
+    for (int64_t comm : comms) {
+      auto found = s.owed.find(comm);
+      if (found == s.owed.end() || (run && found->second.run == *run)) continue;
+      why = stopped(found->second);
+      break;
+    }
+  }
+  if (why.empty()) return true;
+  diverge(std::move(why));
+  return false;
+}
+
+void ran(int64_t run, ffi::Span<const int64_t> comms, bool last, std::string_view operation) {
+  if (comms.size() == 0) return;  // its computation owes no peer anything
+  State& s = *shared;
+  const int64_t sole = s.sole.load(std::memory_order_acquire);
+  if (last ? sole == kNobody : sole == run) return;  // nothing to clear, or owed already
+  std::lock_guard lock(s.owed_mutex);
+  if (last) {
+    for (auto it = s.owed.begin(); it != s.owed.end();) {
+      it = it->second.run == run ? s.owed.erase(it) : std::next(it);
+    }
+  } else {
+    for (int64_t comm : comms) s.owed[comm] = Owed{run, operation};
+  }
+  s.sole.store(sole_owner(s.owed), std::memory_order_release);
+}
+
+void diverge_if_owed() {
+  State& s = *shared;
+  std::string why;
+  {
+    std::lock_guard lock(s.owed_mutex);
+    if (s.owed.empty()) return;
+    why = stopped(s.owed.begin()->second);
+  }
+  diverge(std::move(why));
 }
 
 void end_job(const std::string& message) {
@@ -135,22 +234,73 @@ std::optional<std::string> out_of_step() {
   return s.why;
 }
 
-void resume() {
+std::optional<std::string> refusal_pending() {
   State& s = *shared;
   std::lock_guard lock(s.mutex);
-  s.why.clear();
-  s.diverged.store(false, std::memory_order_release);
+  if (!s.refusal_due.load(std::memory_order_relaxed)) return std::nullopt;
+  return s.pending;
+}
+
+void refusal_known(bool refused) {
+  State& s = *shared;
+  std::string why;
+  {
+    std::lock_guard lock(s.mutex);
+    if (!s.refusal_due.load(std::memory_order_relaxed)) return;
+    why = std::move(s.pending);
+    s.pending.clear();
+    s.refusal_due.store(false, std::memory_order_release);
+  }
+  if (refused) diverge(std::move(why));
+}
+
+void resume() {
+  State& s = *shared;
+  {
+    std::lock_guard lock(s.mutex);
+    s.why.clear();
+    s.pending.clear();
+    s.refusal_due.store(false, std::memory_order_release);
+    s.diverged.store(false, std::memory_order_release);
+  }
+  std::lock_guard lock(s.owed_mutex);
+  s.owed.clear();
+  s.sole.store(kNobody, std::memory_order_release);
 }
 
 namespace {
-ffi::Error InStep(ffi::Token, ffi::Result<ffi::Token>, std::string_view kernel) {
-  return in_step() ? ffi::Error::Success() : refusal(kernel);
+ffi::Error InStep(ffi::RunId run, ffi::Token, ffi::Result<ffi::Token>, std::string_view kernel,
+                  bool last, ffi::Span<const int64_t> comms, bool tracked) {
+  if (!may_run(run.run_id, comms)) return refusal(kernel);
+  if (tracked) ran(run.run_id, comms, last, "custom kernel");
+  return ffi::Error::Success();
+}
+
+ffi::Error Settled(ffi::RunId run, ffi::Token, ffi::Result<ffi::Token>, bool last,
+                   ffi::Span<const int64_t> comms, bool tracked) {
+  if (tracked) ran(run.run_id, comms, last, "jaxcomm");
+  return ffi::Error::Success();
 }
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jaxcomm_in_step, InStep,
-    ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>().Attr<std::string_view>("kernel"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_in_step, InStep,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::Token>()
+                                  .Ret<ffi::Token>()
+                                  .Attr<std::string_view>("kernel")
+                                  .Attr<bool>("last")
+                                  .Attr<ffi::Span<const int64_t>>("comms")
+                                  .Attr<bool>("tracked"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_settled, Settled,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::Token>()
+                                  .Ret<ffi::Token>()
+                                  .Attr<bool>("last")
+                                  .Attr<ffi::Span<const int64_t>>("comms")
+                                  .Attr<bool>("tracked"));
 
 bool on_python_thread() { return PyGILState_GetThisThreadState() != nullptr; }
 

@@ -14,6 +14,15 @@
 // - every rank of the job got the same error at this operation, so all skip the
 //   same later operations (`on_every_rank`); or no peer waits for this rank in
 //   it (`paired`) and it was the last jaxcomm operation of its computation.
+//
+// A computation may also stop for a reason jaxcomm does not see (a host callback
+// that raises, a custom kernel's error, XLA's own, memory) after an operation
+// that later ones of the same computation follow. So each operation of a
+// computation that has later ones owes them on the communicators that its
+// computation uses, until an operation that no other follows (`last`) has run:
+// an operation of another computation, or an eager call, on one of them finds
+// them owed, and this rank goes out of step then. The lowering says which
+// computations jaxcomm sees the end of (jaxcomm/_lockstep.py, `tracked`).
 #ifndef JAXCOMM_LOCKSTEP_H_
 #define JAXCOMM_LOCKSTEP_H_
 
@@ -65,6 +74,21 @@ void failed(std::string_view operation, const ffi::Error& error, bool last, bool
 // first reason is kept.
 void diverge(std::string why);
 
+// Whether an operation may run: false if this rank is out of step, or goes out of
+// step now because an earlier computation owes a later operation on one of
+// `comms` (the communicators of the operation's computation). `run` is the
+// operation's XLA execution (RunId), or none for an eager call.
+bool may_run(std::optional<int64_t> run, ffi::Span<const int64_t> comms);
+
+// `operation` of execution `run` has run, in a computation that uses `comms`:
+// unless it is its computation's `last`, the computation owes later
+// operations on them; if it is, it owes nothing more.
+void ran(int64_t run, ffi::Span<const int64_t> comms, bool last, std::string_view operation);
+
+// Out of step if a computation still owes operations (ran): at exit, once every
+// computation has ended, when none will ever run them.
+void diverge_if_owed();
+
 // From now on, going out of step ends the job at once (MPI_Abort), with a
 // message: for a process that runs jaxcomm operations inside shard_map over
 // several processes, where a failed computation also skips JAX's own
@@ -74,6 +98,14 @@ void end_job_when_out_of_step();
 // Writes `message` to stderr and ends the job (MPI_Abort), after a pause that
 // lets the launcher forward the message.
 [[noreturn]] void end_job(const std::string& message);
+// The attributes that every jaxcomm handler takes after its operation's own
+// (jaxcomm/_lockstep.py gives them): `last`, no jaxcomm operation that a peer
+// waits for follows it in its computation; `comms`, the communicators of its
+// computation's operations that peers wait for; `tracked`, whether what its
+// computation owes is tracked (may_run, ran).
+#define JAXCOMM_BIND_LOCKSTEP_ATTRIBUTES \
+  .Attr<bool>("last").Attr<ffi::Span<const int64_t>>("comms").Attr<bool>("tracked")
+
 // Whether this rank is in step. Every wrapper asks first, before the operation
 // starts, and if not returns the error that refuses `operation`.
 bool in_step();
@@ -81,6 +113,17 @@ ffi::Error refusal(std::string_view operation);
 
 // Why this rank is out of step, if it is.
 std::optional<std::string> out_of_step();
+
+// An operation that failed after the call that dispatched its computation had
+// returned, where it would otherwise have left this rank in step: JAX refuses
+// the next call with jaxcomm's effect instead of running it (which its peers
+// run), so the rank goes out of step at its next operation, which comes after
+// such a refusal. Why, if one did and the rank has made no operation since.
+std::optional<std::string> refusal_pending();
+// Whether that refusal did happen, where jaxcomm can tell (at exit: the error
+// still waits in JAX's token, which no call has taken): the rank goes out of
+// step, or forgets it.
+void refusal_known(bool refused);
 
 // Back in step: for a test that has made the calls its peers waited for.
 void resume();
@@ -91,8 +134,13 @@ void resume();
 bool on_python_thread();
 
 // The handler that runs before a user's kernel (jaxcomm._kernels), token ->
-// token: refuses it while this rank is out of step.
+// token: refuses it while this rank is out of step, or as may_run does; the
+// kernel then owes its peers what ran() says.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxcomm_in_step);
+// token -> token, after a user's kernel, after a loop or a conditional whose body
+// has jaxcomm operations, and at the end of a jaxcomm.jit computation: what the
+// computation owes once they are done (ran()).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxcomm_settled);
 
 // The state shared by every jaxcomm module of the process (the CPU and CUDA
 // extensions each link their own copy of this code): `share(state())` of one

@@ -74,8 +74,8 @@ __all__ = [  # and every module-level operation, added below
 # step, whose peers may wait for it forever (jaxcomm._lockstep); else finish
 # pending jaxcomm operations (otherwise a rank can hang at exit), drop the
 # requests that were never waited, and end the job if one of those computations
-# has put the rank out of step.
-atexit.register(_lockstep.abort_if_out_of_step)
+# has put the rank out of step, or stopped before operations that peers wait in.
+atexit.register(_lockstep.abort_if_out_of_step, ended=True)
 atexit.register(_requests.drop_at_exit)
 atexit.register(jax.effects_barrier)
 atexit.register(_lockstep.abort_if_out_of_step)

@@ -38,6 +38,7 @@ __all__ = [
     "chain_marker",
     "continue_chain",
     "current_trace",
+    "failure_unclaimed",
     "host_arrays",
     "in_shard_map",
     "lower_identity",
@@ -273,19 +274,20 @@ def lower_with_token(
     aliases: dict[int, int] | None = None,
     templates: int = 0,
     marked: bool = True,
-    awaited: bool = True,
+    awaited: int | None = None,
 ) -> Callable[..., Sequence[Any]]:
     """A lowering rule that calls FFI `target` as (token, *operands) -> (token, *results).
 
     `aliases` maps operand index to result index (both without the token) for
     outputs that may reuse an input buffer. The first `templates` operands are
     not passed (they gave only the results' types). `marked`: the target takes
-    the attribute ``last``, as jaxcomm's own handlers do; `awaited`: a peer may
-    wait for the call (both as jaxcomm._lockstep.emitted says).
+    the attributes of jaxcomm._lockstep (``last``...), as jaxcomm's own handlers
+    do; `awaited`: the key of the communicator on which a peer may wait for the
+    call, None if none may (both as jaxcomm._lockstep.emitted says).
     """
     shifted = None if not aliases else {i + 1: o + 1 for i, o in aliases.items()}
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True, operand_output_aliases=shifted)
-    last = {_lockstep.LAST: np.bool_(True)} if marked else {}
+    lockstep = _lockstep.attributes() if marked else {}
 
     def lowering(ctx: mlir.LoweringRuleContext, *operands: Any, **attrs: Any) -> Sequence[Any]:
         if (refusal := _placement_refusal(ctx)) is not None:
@@ -295,13 +297,17 @@ def lower_with_token(
             avals_in=[core.abstract_token, *ctx.avals_in[templates:]],
             avals_out=[core.abstract_token, *ctx.avals_out],
         )
-        token_out, *results = rule(inner, token, *operands[templates:], **attrs, **last)
+        token_out, *results = rule(inner, token, *operands[templates:], **attrs, **lockstep)
         sharded = _spans_processes(ctx)
         _lockstep.emitted(ctx, token_out.owner, marked=marked, awaited=awaited, sharded=sharded)
         _set_comm_token(ctx, token_out)
         return results
 
     return lowering
+
+
+# jaxcomm._lockstep's settling call on a token alone: token -> token.
+_settle = lower_with_token(_lockstep.SETTLED)
 
 
 def _placement_refusal(ctx: mlir.LoweringRuleContext) -> str | None:
@@ -419,6 +425,7 @@ def _ordered_call_lowering(ctx: mlir.LoweringRuleContext, marker: Any, *args: An
             f"jaxcomm.jit runs on CPU devices only (this computation is for "
             f"{', '.join(platforms)}); use jax.jit for it"
         )
+    _lockstep.ordered_call(ctx)
     # The first token depends on the marker: nothing of jaxcomm in this call runs
     # before the call that made the marker has finished.
     first = hlo.OptimizationBarrierOp([hlo.create_token(), marker]).results[0]
@@ -429,11 +436,18 @@ def _ordered_call_lowering(ctx: mlir.LoweringRuleContext, marker: Any, *args: An
         tokens_in=mlir.TokenSet({**tokens, COMM_EFFECT: first}),
     )
     results = mlir.lower_fun(core.jaxpr_as_fun(jaxpr), multiple_results=True)(inner, *args)
-    last = inner.tokens_out.get(COMM_EFFECT)
+    # The end of the computation, which jaxcomm thus sees (jaxcomm._lockstep).
+    end = inner.replace(avals_in=[], avals_out=[], tokens_in=inner.tokens_out, tokens_out=None)
+    if _lockstep.unsettled(ctx):
+        _settle(end)
+        _lockstep.ends(ctx)
+    else:
+        end.set_tokens_out(inner.tokens_out)
+    last = end.tokens_out.get(COMM_EFFECT)
     # The new marker is the old one, after the last token: an output of this call,
     # so it is ready only when the call has finished.
     done = hlo.OptimizationBarrierOp([last, marker]).results[1]
-    ctx.set_tokens_out(inner.tokens_out.subset(list(tokens)))
+    ctx.set_tokens_out(end.tokens_out.subset(list(tokens)))
     return [done, *results]
 
 
@@ -484,6 +498,24 @@ def chain_marker() -> jax.Array:
         ours = _chain.token = core.Token(_fresh_marker())
         tokens[COMM_EFFECT] = ours
     return ours._buf
+
+
+def failure_unclaimed() -> bool:
+    """Whether JAX's token of jaxcomm's effect on this thread holds the error of
+    a computation that failed after its call had returned: no call with the
+    effect has been made since, which JAX would have refused (and taken the
+    error from the token). False where this JAX cannot tell: before 0.12 JAX
+    refuses every later call and keeps the error."""
+    if jax.__version_info__ < (0, 12):
+        return False
+    token = dispatch.runtime_tokens.current_tokens.get(COMM_EFFECT)
+    if token is None:
+        return False
+    try:
+        token.block_until_ready()
+    except jax.errors.JaxRuntimeError:
+        return True
+    return False
 
 
 def restart_chain() -> jax.Array:

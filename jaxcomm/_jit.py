@@ -58,7 +58,8 @@ def jit(fun: Callable[..., Any] | None = None, **options: Any) -> Callable[..., 
     shifted = {name: _after_marker(options[name]) for name in _BY_POSITION if name in options}
     dispatched = _jax_jit(_with_marker(fun), **{**options, **shifted})
 
-    name = getattr(fun, "__name__", "function")
+    # What refusals name (jaxcomm._lockstep): the call, not an operation.
+    name = f"the call of jaxcomm.jit function {getattr(fun, '__name__', repr(fun))!r}"
 
     @functools.wraps(fun)
     def call(*args: Any, **kwargs: Any) -> Any:

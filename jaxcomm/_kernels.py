@@ -26,6 +26,7 @@ from jaxcomm._jax_internals import (
     lower_with_token,
     register_lowering,
 )
+from jaxcomm._lockstep import SETTLED
 from jaxcomm._primitive import CommInfo
 from jaxcomm._rules import define_rules, move_batch
 
@@ -48,24 +49,32 @@ def _abstract_eval(*avals, results, comm, target, **_):
 
 
 # Runs before each kernel: the kernel does not run while this rank is out of step
-# (jaxcomm._lockstep), when it could pair with the wrong call of a peer.
-_in_step = lower_with_token("jaxcomm_in_step", marked=False, awaited=False)
+# (jaxcomm._lockstep), when it could pair with the wrong call of a peer; it owes
+# the kernel to the peers. The settling call after it then says what the
+# computation owes once the kernel has run: a user's handler takes none of
+# jaxcomm's attributes, and a failure of it stops the computation before that
+# call (docs/troubleshooting.md, "After an error on one rank").
+_in_step = lower_with_token("jaxcomm_in_step")
+_settled = lower_with_token(SETTLED)
 
 
 def _lowering(ctx, *operands, target, comm: CommInfo, results, aliases, attrs, vmap_method):
     guard = ctx.replace(avals_in=[], avals_out=[])
     _in_step(guard, kernel=target)
-    # A user's handler takes no attribute `last`, and a failure of it is not seen
-    # by jaxcomm (docs/troubleshooting.md, "After an error on one rank").
     rule = lower_with_token(
-        target, aliases=dict(aliases) or None, marked=False, awaited=comm.size > 1
+        target,
+        aliases=dict(aliases) or None,
+        marked=False,
+        awaited=comm.key if comm.size > 1 else None,
     )
     ffi_attrs = {"comm": np.int64(comm.handle), "rank": np.int32(comm.rank)}
     ffi_attrs["size"] = np.int32(comm.size)
     ffi_attrs.update(attrs)
     kernel = ctx.replace(tokens_in=guard.tokens_out)
     outputs = rule(kernel, *operands, **ffi_attrs)
-    ctx.set_tokens_out(kernel.tokens_out)
+    after = kernel.replace(avals_in=[], avals_out=[], tokens_in=kernel.tokens_out, tokens_out=None)
+    _settled(after)
+    ctx.set_tokens_out(after.tokens_out)
     return outputs
 
 

@@ -5,16 +5,31 @@ operations then never run while the peers run theirs; a rank that went on could
 pair its next call with one of them. So the failing rank goes out of step and
 refuses every later call, unless the operation was paired with its peers, ran
 inside the call that dispatched it, and was the last jaxcomm operation of its
-computation (cpp/lockstep.h). XLA cannot tell a handler that last point, so the
-lowering marks it: every jaxcomm custom call carries the attribute ``last``,
-true when it is emitted and made false when a later jaxcomm call of the same
-module is emitted that a peer waits for, or at once where such calls emitted
-earlier may follow it at run time: in a loop's body, and anywhere in a module
-that has such calls in a function other than its entry (a nested jit, a branch
-of lax.cond), which may be called again after any other call. No peer waits for
-a wait or a test (they complete a request of this rank; a request whose wait is
-skipped is left to MPI to complete) or for an operation on a communicator of
-this rank alone.
+computation (cpp/lockstep.h). A computation that stops for another reason (a
+host callback that raises, a custom kernel, XLA, memory) after an operation
+that later ones follow leaves them owed: the next operation on one of its
+communicators from another computation puts the rank out of step.
+
+XLA cannot tell a handler where its computation goes next, so the lowering
+gives every jaxcomm custom call three attributes:
+
+- ``last``: true when it is emitted, made false when a later jaxcomm call of
+  the same module is emitted that a peer waits for, or at once where such calls
+  emitted earlier may follow it at run time: in a loop's body, and anywhere in
+  a module that has jaxcomm calls in a function other than its entry (the body
+  of a loop, a branch of lax.cond, a nested jit, jax.checkpoint), which may be
+  called again after any other call. No peer waits for a wait or a test (they
+  complete a request of this rank; a request whose wait is skipped is left to
+  MPI to complete) or for an operation on a communicator of this rank alone.
+- ``comms``: the keys of the module's communicators that peers wait on.
+- ``tracked``: whether jaxcomm sees where the computation's jaxcomm calls end,
+  so that what a call owes is settled by a later one that is ``last``: where
+  they all lie in the entry function outside loops (as emitted, so they run),
+  and in a jaxcomm.jit computation, which then ends with a *settling* call
+  (jaxcomm_settled, which communicates nothing) where its calls lie elsewhere.
+  Elsewhere the function holding a call may run again after the last one (a
+  loop's body), or JAX lowers it before the op that calls it and may call it
+  from more than one place, and there is no place to settle.
 
 A call that JAX refuses to run, because a computation it is ordered after
 failed, never runs either: jaxcomm's own dispatch notes it here (`refused`).
@@ -30,61 +45,133 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 from jax.interpreters import mlir
 from jax.interpreters.mlir import ir
 from mpi4py import MPI
 
 from jaxcomm._native import cpu
 
-# The attribute's name, as cpp/cpu.cc and cuda.cc bind it.
-LAST = "last"
+# The attributes' names, as cpp/lockstep.h binds them.
+LAST, COMMS, TRACKED = "last", "comms", "tracked"
 _CONFIG = "mhlo.backend_config"  # where ffi_lowering puts a custom call's attributes
+# The target of the settling call (cpp/lockstep.h).
+SETTLED = "jaxcomm_settled"
 
 # Seconds to wait before MPI_Abort at exit: enough for mpiexec to forward the
 # message from the pipe on a loaded node.
 _ABORT_GRACE_S = 0.5
 
 
+def attributes() -> dict[str, Any]:
+    """The three attributes as a call is emitted with them (`emitted` sets them)."""
+    return {LAST: np.bool_(True), COMMS: np.zeros(0, np.int64), TRACKED: np.bool_(True)}
+
+
 class _Module(threading.local):
-    """The module this thread is lowering: its jaxcomm calls still marked last,
-    and whether none of them can be (`sealed`)."""
+    """The module this thread is lowering, as far as its jaxcomm calls go."""
 
     module: Any = None
-    last: tuple = ()
-    sealed = False
+    calls: list  # its calls with the attributes, settling ones too, as emitted
+    last: list  # those that no call a peer waits for has followed since
+    comms: list  # keys of the communicators that peers wait on in its calls
+    sealed = False  # none of its calls is last
+    hidden = False  # it has calls where jaxcomm does not see its end (see above)
+    ends_seen = False  # a jaxcomm.jit computation, which ends with a settling call
+
+    def start(self, module: Any) -> None:
+        self.module, self.calls, self.last, self.comms = module, [], [], []
+        self.sealed = self.hidden = self.ends_seen = False
+
+    @property
+    def tracked(self) -> bool:
+        return self.ends_seen or not self.hidden
 
 
 _lowering = _Module()
 
 
+def _state(module: Any) -> _Module:
+    state = _lowering
+    if state.module is not module:
+        state.start(module)
+    return state
+
+
 def emitted(
-    ctx: mlir.LoweringRuleContext, call: Any, *, marked: bool, awaited: bool, sharded: bool
+    ctx: mlir.LoweringRuleContext, call: Any, *, marked: bool, awaited: int | None, sharded: bool
 ) -> None:
     """Account for `call`, a jaxcomm custom call just emitted with `ctx`.
-    `marked`: it has the attribute ``last`` (jaxcomm's own operations do; a user
-    kernel's does not). `awaited`: a peer may wait for it (see above).
-    `sharded`: it lies in shard_map over several processes, where JAX's own
-    collectives may follow it, which jaxcomm can neither see nor refuse: no call
-    of the module is last, and a rank that goes out of step ends the job."""
-    state = _lowering
-    module = ctx.module_context.module
-    if state.module is not module:
-        state.module, state.last, state.sealed = module, (), False
+    `marked`: it has the three attributes (jaxcomm's own operations do; a user
+    kernel's does not). `awaited`: the key of the communicator on which a peer
+    may wait for it, else None (see above). `sharded`: it lies in shard_map over
+    several processes, where JAX's own collectives may follow it, which jaxcomm
+    can neither see nor refuse: no call of the module is last, and a rank that
+    goes out of step ends the job."""
+    state = _state(ctx.module_context.module)
     if sharded:
         cpu.end_job_when_out_of_step()
-        awaited = state.sealed = True
+        _seal(state)
     in_loop, in_callee = _placement(call)
-    if awaited:
+    if (in_loop or in_callee) and not state.hidden:
+        _hide(state)
+    if awaited is not None:
         for earlier in state.last:
-            _followed(earlier)
-        state.last = ()
-        state.sealed = state.sealed or in_callee
+            _set(earlier, last=False)
+        state.last = []
+        if awaited not in state.comms:
+            state.comms.append(awaited)
+            for each in state.calls:
+                _set(each, comms=state.comms)
+        if in_callee:
+            _seal(state)
     if not marked:
         return
+    state.calls.append(call)
+    _set(call, comms=state.comms, tracked=state.tracked)
     if state.sealed or in_loop:
-        _followed(call)
+        _set(call, last=False)
     else:
-        state.last = (*state.last, call)
+        state.last.append(call)
+
+
+def ordered_call(ctx: mlir.LoweringRuleContext) -> None:
+    """The module being lowered is a jaxcomm.jit computation, which ends with a
+    settling call: it stays tracked where its calls may run out of order."""
+    _state(ctx.module_context.module).ends_seen = True
+
+
+def unsettled(ctx: mlir.LoweringRuleContext) -> bool:
+    """Whether the module has calls whose computation only a settling call at its
+    end can settle (see above): then jaxcomm.jit emits one, and `ends` it."""
+    state = _lowering
+    return state.module is ctx.module_context.module and state.hidden
+
+
+def ends(ctx: mlir.LoweringRuleContext) -> None:
+    """The call just emitted (jaxcomm.jit's settling call) ends the computation:
+    no jaxcomm call follows it, whatever the order of the others."""
+    state = _state(ctx.module_context.module)
+    _set(state.calls[-1], last=True)
+
+
+def _seal(state: _Module) -> None:
+    """No call of the module is last, nor tracked unless its computation ends
+    with a settling call."""
+    if not state.sealed:
+        state.sealed = True
+        for call in state.calls:
+            _set(call, last=False)
+        state.last = []
+    _hide(state)
+
+
+def _hide(state: _Module) -> None:
+    """Calls of the module lie where jaxcomm does not see its end: none is
+    tracked unless its computation ends with a settling call."""
+    state.hidden = True
+    for call in state.calls:
+        _set(call, tracked=state.tracked)
 
 
 def _placement(call: Any) -> tuple[bool, bool]:
@@ -100,10 +187,14 @@ def _placement(call: Any) -> tuple[bool, bool]:
     return in_loop, True
 
 
-def _followed(call: Any) -> None:
-    """Mark `call` as one that another jaxcomm call may follow at run time."""
+def _set(call: Any, **values: Any) -> None:
+    """Set attributes of `call` (last, comms, tracked)."""
     attributes = {named.name: named.attr for named in ir.DictAttr(call.attributes[_CONFIG])}
-    attributes[LAST] = ir.BoolAttr.get(False)
+    for name, value in values.items():
+        if name == COMMS:
+            attributes[name] = mlir.ir_attribute(np.array(value, np.int64))
+        else:
+            attributes[name] = ir.BoolAttr.get(bool(value))
     call.attributes[_CONFIG] = ir.DictAttr.get(attributes)
 
 
@@ -123,10 +214,22 @@ def out_of_step() -> str | None:
     return cpu.out_of_step()
 
 
-def abort_if_out_of_step() -> None:
+def abort_if_out_of_step(*, ended: bool = False) -> None:
     """At exit: end the job if this rank is out of step, so that no peer waits
     for it forever (jaxcomm/__init__.py runs it before waiting for pending
-    computations, which may themselves wait for a peer)."""
+    computations, which may themselves wait for a peer, and after: `ended`). A
+    computation that failed after its call had returned, where it would
+    otherwise have left the rank in step, puts it out of step only if JAX
+    refused a later call for it: not if its error still waits in JAX's token,
+    which no call has taken. Once every computation has ended, one that still
+    owes operations (it stopped before them) puts it out of step: the peers
+    wait in them."""
+    from jaxcomm._jax_internals import failure_unclaimed  # it imports this module
+
+    if ended:
+        cpu.diverge_if_owed()
+    if cpu.refusal_pending() is not None:
+        cpu.refusal_known(refused=not failure_unclaimed())
     why = cpu.out_of_step()
     if why is None or not MPI.Is_initialized() or MPI.Is_finalized():
         return

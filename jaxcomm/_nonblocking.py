@@ -235,7 +235,7 @@ wait_p.def_effectful_abstract_eval(
 def _wait_lowering(ctx, *operands, operation, comm, params):
     kind = OPERATIONS[operation].kind
     aliases = {1 + kind.input: 0} if kind.result else None  # pending, after request and keep
-    return lower_with_token("jaxcomm_wait", aliases=aliases, awaited=False)(ctx, *operands)
+    return lower_with_token("jaxcomm_wait", aliases=aliases)(ctx, *operands)
 
 
 # -- polling ---------------------------------------------------------------------------
@@ -246,7 +246,7 @@ _DONE = core.ShapedArray((), np.bool_)
 test_p.def_effectful_abstract_eval(
     lambda request: (typed(_DONE, varying(request)) if manual_axes() else _DONE, {COMM_EFFECT})
 )
-register_lowering(test_p, lower_with_token("jaxcomm_test", awaited=False), platform="cpu")
+register_lowering(test_p, lower_with_token("jaxcomm_test"), platform="cpu")
 
 
 def test_now(request) -> bool:

@@ -233,7 +233,10 @@ def comm_primitive(
         )
         alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases and not is_x else None
         rule = lower_with_token(
-            f"jaxcomm_{name}", aliases=alias, templates=templates, awaited=comm.size > 1
+            f"jaxcomm_{name}",
+            aliases=alias,
+            templates=templates,
+            awaited=comm.key if comm.size > 1 else None,
         )
         if not is_x:
             return rule(ctx, *operands, **ffi_attrs)

@@ -143,7 +143,11 @@ class JaxComm:
 
     ``check=True`` (default: the environment variable ``JAXCOMM_CHECK=1``) turns on
     checking mode: run-time verification of what ranks must agree on, such as the
-    replicated cotangent that the gradient convention assumes.
+    replicated cotangent that the gradient convention assumes. It checks the calls
+    that every rank makes: an argument that one rank alone rejects (a bad ``op``,
+    ``capacity`` or ``root``) raises there before its call, while the peers make
+    theirs, and the ranks' calls no longer match (docs/troubleshooting.md, "An
+    exception on one rank").
     """
 
     _Rows = _Rows  # for the topologies' variable-size methods

@@ -101,6 +101,55 @@ _native.cpu.resume()
     assert "a test said so" in second
 
 
+def test_a_custom_kernel_that_fails_puts_its_rank_out_of_step(custom_kernel, tmp_path):
+    """A jitted step allreduces, then calls the user's kernel, which fails on rank
+    0 only (XLA refuses its argument there: float32 where it takes float64): the
+    step stops on rank 0, while rank 1 waits in the kernel's MPI_Allreduce.
+    Rank 0's next call raises instead of pairing with it; it then makes that
+    allreduce with mpi4py, and both go on in step."""
+    program = tmp_path / "failing.py"
+    program.write_text(
+        f"""
+import sys, numpy as np, jax, jax.numpy as jnp
+sys.path.insert(0, {str(EXAMPLES / "custom_op")!r})
+from my_comm import MyComm, load_kernel
+from jaxcomm import _native
+jax.config.update("jax_enable_x64", True)
+load_kernel({str(custom_kernel)!r})
+comm = MyComm()
+dtype = jnp.float32 if comm.rank == 0 else jnp.float64
+
+@jax.jit
+def step(x):
+    s = comm.allreduce(x).astype(dtype)
+    (out,) = comm.call_kernel(
+        "allreduce_scale", s, results=[jax.ShapeDtypeStruct(s.shape, dtype)], scale=2.0
+    )
+    return out
+
+x = jnp.ones(2, jnp.float64)
+try:
+    print(jax.block_until_ready(step(x)).tolist())
+except jax.errors.JaxRuntimeError as error:
+    print("step failed")
+try:
+    print(comm.allreduce(x).tolist())
+except jax.errors.JaxRuntimeError as error:
+    print(str(error).splitlines()[0][:120])
+    comm.mpi.Allreduce(np.full(2, 2.0), np.empty(2))  # the kernel's, which rank 1 waits in
+    comm.mpi.Allreduce(np.ones(2), np.empty(2))  # and the allreduce rank 1 then makes
+    _native.cpu.resume()
+print(comm.allreduce(x).tolist())
+"""
+    )
+    zero, one = rank_outputs(2, str(program))
+    failed, refused, after = zero.splitlines()
+    assert failed == "step failed", zero
+    assert "allreduce refused: rank 0 is out of step with its peers: a computation " in refused
+    assert after == "[2.0, 2.0]", zero
+    assert one.splitlines() == ["[8.0, 8.0]", "[2.0, 2.0]", "[2.0, 2.0]"], one
+
+
 @pytest.fixture(scope="module")
 def shallow_water_1_rank(tmp_path_factory):
     path = tmp_path_factory.mktemp("water") / "1.npy"

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
 import progress
 import pytest
 from mpirun import failure_summary, rank_outputs, run, run_tests, run_watched
@@ -414,6 +415,109 @@ def test_a_rank_out_of_step_ends_the_job_at_exit(tmp_path, read):
     assert result.stderr.count("jaxcomm: rank 0 ends the job at exit: it is out of step") == 1, (
         result.stderr
     )
+
+
+@pytest.mark.parametrize(
+    ("size", "jit", "then"),
+    [(2, "jax.jit", "eager"), (3, "jaxcomm.jit", "jax.jit"), (2, "jax.jit", "nothing")],
+)
+def test_a_step_stopped_by_a_callback_ends_the_job_instead_of_pairing(tmp_path, size, jit, then):
+    """The issue's step: allreduce, an ordered host callback that raises on rank 0
+    only, allreduce. Rank 0 catches the error; its next allreduce (if any) is
+    refused instead of pairing with its peers' second one, and at exit it ends
+    the job, whose peers wait in that second allreduce: no rank gets a value
+    from it, and nobody waits forever."""
+    script = program(
+        tmp_path,
+        f"""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.experimental import io_callback
+        import jaxcomm
+        comm = jaxcomm.JaxComm()
+
+        def callback(a):
+            if comm.rank == 0:
+                raise RuntimeError("the callback fails")
+            return np.asarray(a)
+
+        @{jit}
+        def step(x):
+            a = comm.allreduce(x)
+            b = io_callback(callback, jax.ShapeDtypeStruct(a.shape, a.dtype), a, ordered=True)
+            return comm.allreduce(b * 1000)
+
+        try:
+            print("rank", comm.rank, "got", jax.block_until_ready(step(jnp.ones(2))).tolist())
+        except Exception as error:
+            print("rank", comm.rank, "step failed")
+        try:
+            if {then!r} == "eager":
+                print("rank", comm.rank, "next", comm.allreduce(jnp.ones(2)).tolist())
+            elif {then!r} == "jax.jit":
+                print("rank", comm.rank, "next", jax.jit(comm.allreduce)(jnp.ones(2)).tolist())
+        except jax.errors.JaxRuntimeError as error:
+            print("rank", comm.rank, "refused:", str(error).splitlines()[0][:90])
+        print("rank", comm.rank, "done", flush=True)
+    """,
+    )
+    result = run(size, [script], TIMEOUT)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "rank 0 step failed" in result.stdout, output
+    assert " got " not in result.stdout and " next " not in result.stdout, output
+    if then != "nothing":
+        assert (
+            "rank 0 refused: FAILED_PRECONDITION: jaxcomm: allreduce refused: rank 0 is out of step"
+            in (result.stdout)
+        ), output
+    assert result.stderr.count("jaxcomm: rank 0 ends the job at exit: it is out of step") == 1, (
+        output
+    )
+    assert "a computation stopped after its allreduce" in result.stderr, output
+
+
+@pytest.mark.parametrize("then", ["exit", "refused call"])
+def test_an_error_no_peer_waits_for_after_its_call_returned(tmp_path, then):
+    """Each rank's step on COMM_SELF fails after its call has returned (an
+    alltoallv overflow beside a long matrix product), and the program catches
+    the error. No peer waits in that step; but JAX refuses the next call with
+    jaxcomm's effect for it, and a peer could wait in a refused call. With
+    nothing after, the program ends normally on JAX 0.12 and later (the error
+    still waits in JAX's token: nothing was refused); after a refused call, or
+    on older JAX where jaxcomm cannot tell, the job ends at exit."""
+    script = program(
+        tmp_path,
+        f"""
+        import jax, jax.numpy as jnp
+        from mpi4py import MPI
+        from jaxcomm import JaxComm
+        alone, world = JaxComm(MPI.COMM_SELF), JaxComm()
+
+        @jax.jit
+        def step(x, m):
+            y, _ = alone.alltoallv(x, [2], capacity=1)
+            return y, m @ m @ m
+
+        out = step(jnp.ones((2, 2)), jnp.ones((256, 256)))
+        try:
+            jax.block_until_ready(out)
+        except jax.errors.JaxRuntimeError as error:
+            print("rank", world.rank, "raised:", str(error).splitlines()[0][:60])
+        if {then == "refused call"!r}:
+            try:
+                jax.block_until_ready(jax.jit(world.allreduce)(jnp.ones(2)))
+            except jax.errors.JaxRuntimeError:
+                print("rank", world.rank, "refused")
+        print("rank", world.rank, "done")
+    """,
+    )
+    result = run(2, [script], TIMEOUT)
+    for rank in (0, 1):
+        assert f"rank {rank} raised:" in result.stdout, result.stdout + result.stderr
+        assert f"rank {rank} done" in result.stdout, result.stdout + result.stderr
+    ends_normally = then == "exit" and jax.__version_info__ >= (0, 12)
+    assert (result.returncode == 0) == ends_normally, result.stdout + result.stderr
+    assert ("ends the job at exit" in result.stderr) != ends_normally, result.stderr
 
 
 @pytest.mark.parametrize(

@@ -140,7 +140,9 @@ def test_the_cpp_and_python_declarations_agree():
     declared = set(_native.cpu.operations())
     assert set(PRIMITIVES) == declared
     polling = {"wait", "test"}
-    guard = {"in_step"}  # before a user's kernel (jaxcomm._kernels)
+    # Before a user's kernel (jaxcomm._kernels), and what settles what a computation
+    # owes (jaxcomm._lockstep).
+    guard = {"in_step", "settled"}
     assert set(_native.cpu.registrations()) == {f"jaxcomm_{n}" for n in declared | polling | guard}
     if _native.cuda is not None:
         blocking = declared - set(_nonblocking.OPERATIONS)

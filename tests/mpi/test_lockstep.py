@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import re
 import threading
 import time
 
@@ -31,6 +32,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from jax._src import dispatch
+from jax.experimental import io_callback
+from mpi4py import MPI
 
 import jaxcomm
 from jaxcomm import _native
@@ -213,9 +216,17 @@ def test_out_of_step_refuses_every_later_call(comm):
         "jaxcomm.jit": lambda: jaxcomm.jit(comm.allreduce)(x),
         "post": lambda: comm.iallreduce(x),
     }
+    # What each refuses: the operation, or the call of the jaxcomm.jit function.
+    refused = {
+        "eager": "allreduce",
+        "jax.jit": "allreduce",
+        "jaxcomm.jit": "the call of jaxcomm.jit function 'allreduce'",
+        "post": "iallreduce",
+    }
     try:
-        for call in calls.values():
-            with pytest.raises(jax.errors.JaxRuntimeError, match=r"out of step.*a test said so"):
+        for how, call in calls.items():
+            what = re.escape(f"jaxcomm: {refused[how]} refused: rank {comm.rank} is out of step")
+            with pytest.raises(jax.errors.JaxRuntimeError, match=f"{what}.*a test said so"):
                 jax.block_until_ready(call())
     finally:
         forget_failures()
@@ -303,3 +314,136 @@ def test_a_failure_leaves_another_threads_requests_alone(comm):
     p2p.free()
     collective.free()
     check_in_step(comm)
+
+
+# -- a failure that jaxcomm does not see ------------------------------------------------
+
+
+def raising_on(rank: int):
+    """An ordered host callback that returns its argument, and raises on `rank`."""
+
+    def callback(a):
+        if rank == MPI_RANK:
+            raise RuntimeError(f"the callback fails on rank {rank}")
+        return np.asarray(a)
+
+    return lambda a: io_callback(callback, jax.ShapeDtypeStruct(a.shape, a.dtype), a, ordered=True)
+
+
+MPI_RANK = MPI.COMM_WORLD.rank
+JITS = {"jax.jit": jax.jit, "jaxcomm.jit": jaxcomm.jit}
+NEXT_CALLS = {
+    "eager": lambda comm, x: comm.allreduce(x),
+    "jax.jit": lambda comm, x: jax.jit(comm.allreduce)(x),
+    "jaxcomm.jit": lambda comm, x: jaxcomm.jit(comm.allreduce)(x),
+}
+
+
+def stopped_steps(comm):
+    """name -> (step, the inputs of the allreduces it makes on every rank, as
+    functions of x, in order): a step whose computation stops on rank FAILING
+    after its first allreduce, in a host callback."""
+    fail = raising_on(FAILING)
+
+    def straight(x):  # the issue's reproduction
+        a = comm.allreduce(x)
+        return comm.allreduce(fail(a) * 1000)
+
+    def in_a_loop(x):  # two iterations: the first one stops
+        return jax.lax.fori_loop(0, 2, lambda _, c: fail(comm.allreduce(c)), x)
+
+    return {
+        "straight": (
+            straight,
+            [lambda x, total: x, lambda x, total: jnp.full_like(x, total * 1000)],
+        ),
+        "loop": (in_a_loop, [lambda x, total: x, lambda x, total: jnp.full_like(x, total)]),
+    }
+
+
+# jaxcomm sees where a computation's calls end in jaxcomm.jit's computations, and in
+# jax.jit's where they lie in the jitted function itself, outside loops (the
+# docs' "What jaxcomm sees").
+STOPPED = [
+    (jit, steps, then)
+    for jit in JITS
+    for steps in ("straight", "loop")
+    for then in NEXT_CALLS
+    if not (jit == "jax.jit" and steps == "loop")
+]
+
+
+@pytest.mark.parametrize(("jit", "steps", "then"), STOPPED)
+def test_a_computation_stopped_after_a_call_puts_the_rank_out_of_step(comm, jit, steps, then):
+    """Rank FAILING's step stops after its first allreduce (a host callback
+    raises there); the peers make the second and then the next call. On rank
+    FAILING the next call raises, whatever runs it, instead of pairing with the
+    peers' second allreduce; its peers' calls pair with the ones it then makes
+    with mpi4py. On one rank nothing is owed: no peer waits."""
+    step, inputs = stopped_steps(comm)[steps]
+    x = jnp.full(2, comm.rank + 1.0, jnp.float32)
+    total = float(comm.size * (comm.size + 1) // 2)
+    following = jnp.full(2, 10.0 * (comm.rank + 1), jnp.float32)
+    if comm.size == 1:  # no peer waits for anything: the rank stays in step
+        with pytest.raises(jax.errors.JaxRuntimeError, match="the callback fails"):
+            jax.block_until_ready(JITS[jit](step)(x))
+        np.testing.assert_array_equal(NEXT_CALLS[then](comm, following), following)
+        assert _native.cpu.out_of_step() is None
+    elif comm.rank == FAILING:
+        with pytest.raises(jax.errors.JaxRuntimeError, match="the callback fails"):
+            jax.block_until_ready(JITS[jit](step)(x))
+        with pytest.raises(jax.errors.JaxRuntimeError, match=r"refused: rank .* out of step"):
+            jax.block_until_ready(NEXT_CALLS[then](comm, following))
+        assert "a computation stopped after its allreduce" in _native.cpu.out_of_step()
+        for later in inputs[1:]:  # the calls the peers make
+            mine = np.asarray(later(x, total), np.float32)
+            comm.mpi.Allreduce(mine, np.empty_like(mine))
+        comm.mpi.Allreduce(np.asarray(following), np.empty(2, np.float32))
+        forget_failures()
+    else:
+        got = jax.block_until_ready(JITS[jit](step)(x))
+        scale = 1000 if steps == "straight" else 1
+        np.testing.assert_array_equal(got, np.full(2, total * comm.size * scale, np.float32))
+        got = NEXT_CALLS[then](comm, following)
+        np.testing.assert_array_equal(got, np.full(2, 10.0 * total, np.float32))
+    check_in_step(comm)
+
+
+def ends_normally(comm):
+    """name -> a step whose jaxcomm calls lie where jaxcomm sees, or does not
+    see, where they end: it always ends normally."""
+    nested = jax.jit(lambda v: comm.allreduce(v) * 0.5)
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+
+    def posted(x):
+        received = comm.irecv(x, source=left, tag=3)
+        sent = comm.isend(x, dest=right, tag=3)
+        comm.wait(sent)
+        return comm.wait(received) + comm.allreduce(x)
+
+    return {
+        "straight": lambda x: comm.allreduce(comm.allreduce(x) + 1),
+        "posted": posted,
+        "fori_loop": lambda x: jax.lax.fori_loop(0, 3, lambda _, c: comm.allreduce(c) / 2, x),
+        "while_loop": lambda x: jax.lax.while_loop(
+            lambda s: s[0] < 3, lambda s: (s[0] + 1, comm.allreduce(s[1]) / 2), (0, x)
+        )[1],
+        "cond": lambda x: jax.lax.cond(x.sum() > 0, comm.allreduce, lambda v: -v, x),
+        "nested_jit": lambda x: nested(nested(x)),
+        "checkpoint": lambda x: jax.checkpoint(comm.allreduce)(x),
+        "loop_then_call": lambda x: comm.allreduce(
+            jax.lax.fori_loop(0, 2, lambda _, c: comm.allreduce(c) / 2, x)
+        ),
+    }
+
+
+@pytest.mark.parametrize("jit", JITS)
+def test_computations_that_end_normally_leave_the_rank_in_step(comm, jit):
+    """No computation that ran to its end is taken for one that stopped: every
+    later call runs, whatever runs it."""
+    x = jnp.full(2, comm.rank + 1.0, jnp.float32)
+    for name, step in ends_normally(comm).items():
+        for _ in range(2):
+            jax.block_until_ready(JITS[jit](step)(x))
+            assert _native.cpu.out_of_step() is None, name
+            check_in_step(comm)
