@@ -58,6 +58,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from mpi4py import MPI
+from test_lockstep import forget_failures
 
 import jaxcomm
 from jaxcomm import JaxComm
@@ -374,8 +375,23 @@ def _mix(y, k: int, rank):
     return jnp.sin((1.0 + 0.25 * rank) * y + 0.1 * (k + 1))
 
 
-def program(ops: tuple[Op, ...], backend, local: Local, mark: bool, n: int, x):
-    """The example's program: a block (n * ROWS,) to a block."""
+def _fail(x):
+    raise RuntimeError("the test's failure between two jaxcomm calls of one computation")
+
+
+def failure(x):
+    """x, after a host callback that raises on every rank: the computation stops
+    there, before the operations that depend on x run (a constant for AD)."""
+    like = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    out = jax.pure_callback(_fail, like, lax.stop_gradient(x), vmap_method="sequential")
+    return x + 0 * out
+
+
+def program(
+    ops: tuple[Op, ...], backend, local: Local, mark: bool, n: int, x, fail: int | None = None
+):
+    """The example's program: a block (n * ROWS,) to a block; with `fail`, it
+    fails after that operation."""
     pending: list[list] = []  # [operations left before the wait, op, request, position]
 
     def arrive(y, op: Op, k: int, x):
@@ -396,6 +412,8 @@ def program(ops: tuple[Op, ...], backend, local: Local, mark: bool, n: int, x):
             pending.remove(entry)
             _, posted, request, at = entry
             x = arrive(backend.wait(posted, request), posted, at, x)
+        if k == fail:
+            x = failure(x)
     for _, posted, request, at in pending:
         x = arrive(backend.wait(posted, request), posted, at, x)
     return x
@@ -452,6 +470,7 @@ class Example:
     # output as it is: where it is one value in JAX's types (invariant), so is the
     # output (out_specs without the communicator's axes), and so its cotangent.
     end: Op | None = None
+    fail: int | None = None  # every rank fails after this operation (outside shard_map)
 
 
 def _out_spec(example: Example) -> P:
@@ -465,7 +484,7 @@ def _out_spec(example: Example) -> P:
 
 def _block_function(example: Example, backend, local: Local, n: int) -> Callable:
     mark = example.mark or example.place == "outside"
-    f = partial(program, example.ops, backend, local, mark, n)
+    f = partial(program, example.ops, backend, local, mark, n, fail=example.fail)
     for name in example.body:
         f = wrap(name, f, local, example.branch)
     if example.end is None:
@@ -698,3 +717,54 @@ EVERY_POST = (
 @seed(SEED)
 def test_posted_programs_equal_jax_collectives(comms, example):
     check(example, comms[example.group])
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+
+def check_failure(example: Example, comm: JaxComm) -> None:
+    """Every rank's computation fails between two of its jaxcomm calls: each
+    rank is then out of step (jaxcomm cannot know that its peers skipped the
+    same calls) and refuses its next call, unless the communicator has one rank
+    (no peer waits for it). Then back in step, as a test may be."""
+    try:
+        ours(example, comm)
+        ran = "ran"
+    except jax.errors.JaxRuntimeError as error:
+        ran = str(error)
+    try:
+        np.asarray(comm.allreduce(jnp.ones(1)))
+        next_call = "ran"
+    except jax.errors.JaxRuntimeError as error:
+        next_call = str(error)
+    forget_failures()
+    ok = "the test's failure" in ran and (
+        "out of step" in next_call if comm.size > 1 else next_call == "ran"
+    )
+    outcomes = WORLD.allgather((ok, next_call[-300:], ran[-300:]))
+    failed = [(rank, seen) for rank, (ok, *seen) in enumerate(outcomes) if not ok]
+    assert not failed, (f"JAXCOMM_ORACLE_SEED={SEED}", example, failed)
+
+
+@st.composite
+def failing(draw) -> Example:
+    """An example that fails after one of its operations, with a later one that
+    its peers would wait for, outside shard_map (inside, a rank out of step
+    ends the job), in a jitted computation (eager calls are computations of one
+    operation each)."""
+    example = draw(examples(posted=draw(st.booleans())))
+    ops = example.ops if len(example.ops) > 1 else (*example.ops, Op("allreduce"))
+    return dataclasses.replace(
+        example,
+        ops=ops,
+        place="outside",
+        mode=draw(st.sampled_from(["jax.jit", "jaxcomm.jit"])),
+        fail=draw(st.integers(0, len(ops) - 2)),
+    )
+
+
+@given(example=failing().filter(lambda e: excluded(e) is None))
+@SETTINGS
+@seed(SEED)
+def test_a_failure_between_calls_refuses_the_next_call(comms, example):
+    check_failure(example, comms[example.group])
