@@ -142,9 +142,7 @@ RUNS = {
         "jax.distributed with distinct neighbours: sendrecv against ppermute",
         {**SHARDED, "JAXCOMM_ORACLE_EXAMPLES": "2"},
     ),
-    "sharded-4": Run(
-        4, "comm.along on a 2x2 mesh", {**SHARDED, "JAXCOMM_ORACLE_EXAMPLES": "1"}
-    ),
+    "sharded-4": Run(4, "comm.along on a 2x2 mesh", {**SHARDED, "JAXCOMM_ORACLE_EXAMPLES": "1"}),
     "jax-2": Run(
         2,
         "another JAX release: how jaxcomm traces, lowers, differentiates, batches "
