@@ -26,6 +26,24 @@ def test_sendrecv_ring(comm, dtype, mode):
     assert (int(status.source), int(status.tag)) == (left, 7)
 
 
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_sendrecv_sends_with_sendtag_and_receives_with_recvtag(comm, mode):
+    # Each rank tags its message with its own rank: past one rank, the tag it
+    # sends with is not the one it receives with.
+    right, left = ring(comm)
+
+    def shift(x):
+        return comm.sendrecv(
+            x, source=left, dest=right, sendtag=10 + comm.rank, recvtag=10 + left,
+            return_status=True,
+        )  # fmt: skip
+
+    fn = jax.jit(shift) if mode == "jit" else shift
+    out, status = fn(rank_data(comm.rank, (4,), "float32"))
+    assert_values(out, rank_data(left, (4,), "float32"))
+    assert (int(status.source), int(status.tag)) == (left, 10 + left)
+
+
 def test_sendrecv_different_recv_shape(comm):
     right, left = ring(comm)
     x = jnp.full((comm.rank + 1,), comm.rank, jnp.int32)

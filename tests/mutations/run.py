@@ -1,0 +1,366 @@
+"""Seeded mutations of jaxcomm, each run against the tests that
+tests/test_mpiexec.py's table (FILES) gives the file of tests/mpi that tests the
+mutated code: the evidence that the table keeps every mutation caught.
+
+    .venv/bin/python tests/mutations/run.py               # every mutation
+    .venv/bin/python tests/mutations/run.py skipped-cancel wrong-tag
+    .venv/bin/python tests/mutations/run.py --old NAME    # the runs before the cut
+
+A mutation is applied to a copy of the installed jaxcomm in build/mutants/, never
+to the source tree or the venv; a C++ one is compiled from a copy of the sources
+into its own build folder (incremental: one file recompiles). The copy goes first
+on PYTHONPATH, as the sanitizer's run does. The runs of the mutation's files are
+tried in the table's order, each as test_mpiexec.py launches it (-x), until one
+fails; a mutation no run catches is "MISSED" and the script exits 1. The
+sanitizer's run is left out (it needs its own build) and so are CI's later
+environments: a catch here is a catch in the README's command.
+
+A mutant that hangs is caught by the per-test limit (progress.py), lowered here
+to JAXCOMM_TEST_TIMEOUT=120 s unless set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("JAXCOMM_TEST_TIMEOUT", "120")  # before progress.py reads it
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"
+sys.path.insert(0, str(TESTS))
+
+from mpirun import failure_summary, run_tests  # noqa: E402
+from test_mpiexec import FILES, NETWORK, RUNS, is_mpich  # noqa: E402
+
+WORK = ROOT / "build" / "mutants"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """`old` (once in `path`) replaced by `new`; `files`: the files of tests/mpi
+    that test that code (their rows of FILES are the runs tried)."""
+
+    name: str
+    path: str
+    old: str
+    new: str
+    files: tuple[str, ...]
+    bug: str
+
+
+# Left out: a posted alltoallv that leaves MPI its counts in arrays freed when the
+# start returns (Transfer::keep in cpp/variable_size.cc) passes every run, before
+# the cut as after it: MPICH reads the counts during the start.
+MUTATIONS = [
+    Mutation(
+        "skipped-cancel",
+        "cpp/requests.cc",
+        "    MPI_Cancel(&request);\n    unmatched = true;",
+        "    unmatched = true;",
+        ("request_safety",),
+        "a dropped receive is not cancelled: it takes a later message",
+    ),
+    Mutation(
+        "missing-wait",
+        "cpp/requests.cc",
+        "  MPI_Status* statuses = statuses_of(pending);\n  if (!pending.done) {",
+        "  MPI_Status* statuses = statuses_of(pending);\n"
+        "  if (!pending.done && pending.requests.size() > 1) {",
+        ("nonblocking",),
+        "wait() of a request of one MPI request copies the result out without MPI_Wait",
+    ),
+    Mutation(
+        "wrong-root-bcast",
+        "cpp/collectives.cc",
+        "  const bool is_root = comm_rank(comm) == root;\n  if (is_root) copy_if_distinct",
+        "  const bool is_root = comm_rank(comm) == 0;\n  if (is_root) copy_if_distinct",
+        ("collectives",),
+        "bcast takes rank 0 for the root",
+    ),
+    Mutation(
+        "wrong-root-reduce",
+        "cpp/reductions.cc",
+        "  if (comm_rank(comm) != root) {",
+        "  if (comm_rank(comm) != 0) {",
+        ("reductions",),
+        "reduce's in-place/result handling takes rank 0 for the root",
+    ),
+    Mutation(
+        "displacement-off-by-one",
+        "cpp/variable_size.cc",
+        "      out.starts[i] = start;",
+        "      out.starts[i] = i > 0 ? start - 1 : start;",
+        ("variable_size", "neighbor_v"),
+        "alltoallv's displacements after the first peer one element early",
+    ),
+    Mutation(
+        "wrong-datatype-size",
+        "cpp/p2p.cc",
+        "pending.own_copy(data, static_cast<size_t>(n) * static_cast<size_t>(width));",
+        "pending.own_copy(data, static_cast<size_t>(n) * sizeof(float));",
+        ("p2p",),
+        "an eager send copies 4 bytes per element, whatever the dtype's width",
+    ),
+    Mutation(
+        "wrong-tag",
+        "cpp/p2p.cc",
+        "MPI_Irecv(recv_data, recv_n, recv_type, source, recv_tag, comm, &requests[0]);",
+        "MPI_Irecv(recv_data, recv_n, recv_type, source, send_tag, comm, &requests[0]);",
+        ("p2p",),
+        "an eager sendrecv receives with its sendtag",
+    ),
+    Mutation(
+        "in-place-aliased",
+        "cpp/collectives.cc",
+        "const void* in = bytes(out) == bytes(x) ? MPI_IN_PLACE : x.untyped_data();",
+        "const void* in = x.untyped_data();",
+        ("in_place",),
+        "a donated alltoall passes one buffer as MPI's input and output, not MPI_IN_PLACE",
+    ),
+    Mutation(
+        "transpose-sign",
+        "jaxcomm/_reductions.py",
+        "    return total - exscan(ct, comm=comm, op=ReduceOp.SUM)",
+        "    return total + exscan(ct, comm=comm, op=ReduceOp.SUM)",
+        ("autodiff",),
+        "scan's transpose adds the exclusive prefix instead of subtracting it",
+    ),
+    Mutation(
+        "transpose-wrong-root",
+        "jaxcomm/_reductions.py",
+        "from_root = pvary(bcast(ct, comm=comm, root=root), comm=comm)",
+        "from_root = pvary(bcast(ct, comm=comm, root=0), comm=comm)",
+        ("autodiff",),
+        "reduce's transpose broadcasts the cotangent from rank 0, not the root",
+    ),
+    Mutation(
+        "transpose-not-reversed",
+        "jaxcomm/_p2p.py",
+        "        source=dest,\n        dest=source,\n        sendtag=known_tag",
+        "        source=source,\n        dest=dest,\n        sendtag=known_tag",
+        ("autodiff", "p2p"),
+        "sendrecv's cotangent goes on to dest instead of back to source",
+    ),
+    Mutation(
+        "graph-not-reversed",
+        "jaxcomm/_collectives.py",
+        "        return self.reverse, Neighborhood(self.destinations, self.sources, comm)",
+        "        return comm, self",
+        ("graph",),
+        "a neighbour exchange's transpose goes over the graph itself, not the reversed one",
+    ),
+    Mutation(
+        "rows-start-off-by-one",
+        "jaxcomm/_variable_size.py",
+        "jnp.where(jnp.arange(counts.shape[0]) < rank, counts, 0)",
+        "jnp.where(jnp.arange(counts.shape[0]) <= rank, counts, 0)",
+        ("variable_size", "autodiff"),
+        "a rank's rows in allgatherv's cotangent start after its own count",
+    ),
+    Mutation(
+        "eager-jit-fuse-traced",
+        "jaxcomm/_dispatch.py",
+        "@partial(jax.jit, static_argnums=(0, 1, 2, 3))",
+        "@partial(jax.jit, static_argnums=(0, 1, 2))",
+        ("collectives",),
+        "eager calls through JAX (JAXCOMM_EAGER=jit) trace the fusion switch",
+    ),
+    Mutation(
+        "jit-argnums-unshifted",
+        "jaxcomm/_jit.py",
+        "return tuple(n + 1 if n >= 0 else n for n in numbers)",
+        "return tuple(numbers)",
+        ("ordered_jit", "request_safety", "ordering", "eager", "nonblocking"),
+        "jaxcomm.jit's static/donated argument numbers not shifted past its marker",
+    ),
+]
+
+
+def installed_package() -> Path:
+    spec = importlib.util.find_spec("jaxcomm")  # located, not imported (no MPI_Init)
+    if spec is None or spec.origin is None:
+        sys.exit("jaxcomm is not installed in this interpreter's environment")
+    return Path(spec.origin).parent
+
+
+def tracked_sources() -> list[str]:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines() if not line.startswith("tests/")]
+
+
+def sync(source: Path) -> None:
+    """source/ holds the tracked files as they are in the worktree; unchanged files
+    keep their times, so the build recompiles only what differs."""
+    for name in tracked_sources():
+        original, copy = ROOT / name, source / name
+        if not original.is_file():
+            continue
+        data = original.read_bytes()
+        if not copy.exists() or copy.read_bytes() != data:
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            copy.write_bytes(data)
+
+
+def mutated(text: str, m: Mutation) -> str:
+    if text.count(m.old) != 1:
+        sys.exit(f"{m.name}: its text occurs {text.count(m.old)} times in {m.path}, not once")
+    return text.replace(m.old, m.new)
+
+
+def build_mutant(m: Mutation) -> Path:
+    """A folder holding jaxcomm with `m` applied, to go first on PYTHONPATH."""
+    package = WORK / "package"
+    shutil.rmtree(package, ignore_errors=True)
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(installed_package(), package / "jaxcomm", ignore=ignore)
+    if m.path.startswith("jaxcomm/"):
+        target = package / m.path
+        target.write_text(mutated(target.read_text(), m))
+        return package
+    source, built = WORK / "source", WORK / "cpp-package"
+    sync(source)
+    (source / m.path).write_text(mutated((ROOT / m.path).read_text(), m))
+    shutil.rmtree(built, ignore_errors=True)
+    command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+    command += ["--target", str(built), f"-Cbuild-dir={WORK / 'cpp-build'}", str(source)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"{m.name}: the build failed\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    for module in (package / "jaxcomm").glob("_jaxcomm_cpu*"):
+        module.unlink()
+    for module in (built / "jaxcomm").glob("_jaxcomm_cpu*"):
+        shutil.copy2(module, package / "jaxcomm" / module.name)
+    return package
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One run of one file: its ranks, settings and -k expression."""
+
+    label: str
+    file: str
+    ranks: int
+    settings: dict
+    tests: str = ""
+    marks: str = "not slow"
+
+
+def new_launches(m: Mutation) -> list[Launch]:
+    """The table's runs of m's files in the README's command (first environment)."""
+    launches = []
+    for stem in m.files:
+        for entry in FILES[stem].split():
+            run, _, tests = entry.partition(":")
+            if RUNS[run].environment != "first" or run == "asan":
+                continue
+            r, tests = RUNS[run], tests.replace("|", " or ")
+            launches.append(Launch(run, stem, r.ranks, r.settings, tests, r.marks))
+    return launches
+
+
+# Before the cut (86049c8^): every file on 1, 2 and 3 ranks; eagerly through JAX,
+# over the network module and through jaxcomm.jit (1-3 ranks), these files.
+OLD_EAGER = (
+    "eager", "collectives", "p2p", "reductions", "nonblocking", "variable_size", "counts",
+    "graph", "neighbor_v", "in_place", "errors",
+)  # fmt: skip
+OLD_NETWORK = (
+    "collectives", "p2p", "reductions", "sizes", "nonblocking", "request_safety",
+    "variable_size", "counts", "graph", "neighbor_v", "checking", "misuse",
+)  # fmt: skip
+OLD_JIT = ("ordering", "nonblocking", "request_safety", "eager")
+
+
+def old_launches(m: Mutation) -> list[Launch]:
+    launches = []
+    for stem in m.files:
+        launches += [Launch(str(n), stem, n, {}) for n in (1, 2, 3)]
+        if stem in OLD_EAGER:
+            launches.append(Launch("eager-jax", stem, 2, RUNS["eager-jax"].settings))
+        if stem in OLD_JIT:
+            jit = RUNS["jaxcomm-jit"].settings
+            launches += [Launch(f"jaxcomm-jit-{n}", stem, n, jit) for n in (1, 2, 3)]
+        if stem in OLD_NETWORK:
+            launches.append(Launch("network", stem, 3, RUNS["network"].settings))
+        if stem == "sizes":
+            launches += [Launch(str(n), stem, n, {}) for n in (4, 5, 6, 7, 8, 9)]
+        if stem == "ordered_jit":
+            launches.append(Launch("5", stem, 5, {}))
+    return launches
+
+
+def launch(package: Path, run: Launch):
+    args = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--color=no"]
+    args += [str(TESTS / "mpi" / f"test_{run.file}.py"), "-m", run.marks]
+    args += ["-k", run.tests] if run.tests else []
+    env = {
+        "JAXCOMM_TEST_RANKS": str(run.ranks),
+        "PYTHONPATH": f"{package}{os.pathsep}{TESTS}",
+        "JAXCOMM_TEST_TIMEOUT": os.environ["JAXCOMM_TEST_TIMEOUT"],
+        **run.settings,
+    }
+    return run_tests(run.ranks, args, env=env)
+
+
+def failed_test(result) -> str:
+    """The inner test that failed or hung, and on which rank (tests/mpi/conftest.py
+    prints it), else how the run ended."""
+    return failure_summary(result).replace(str(TESTS) + "/", "")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--old", action="store_true", help="the runs before the cut")
+    parser.add_argument("--list", action="store_true", help="list the mutations")
+    options = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not options.names or m.name in options.names]
+    if options.list or not chosen:
+        for m in MUTATIONS:
+            print(f"{m.name:26} {m.path:26} {' '.join(m.files):20} {m.bug}")
+        return 0
+    missed = []
+    rows = ["| mutation | code | tests/mpi file | run | caught by | s |", "|---" * 6 + "|"]
+    for m in chosen:
+        started = time.monotonic()
+        package = build_mutant(m)
+        print(f"{m.name}: built in {time.monotonic() - started:.0f} s", flush=True)
+        found = None
+        for run in old_launches(m) if options.old else new_launches(m):
+            if NETWORK.items() <= run.settings.items() and not is_mpich():
+                continue
+            started = time.monotonic()
+            result = launch(package, run)
+            seconds = time.monotonic() - started
+            caught = result.returncode != 0 or re.search(r"\d+ (failed|error)", result.stdout)
+            outcome = f"CAUGHT {failed_test(result)}" if caught else "passed"
+            where = f"{run.label} ({run.file}, {run.ranks} ranks)"
+            print(f"  {where}: {outcome} in {seconds:.0f} s", flush=True)
+            if caught:
+                found = (run, failed_test(result), seconds)
+                break
+        if found is None:
+            missed.append(m.name)
+            rows.append(f"| {m.name} | {m.path} | {' '.join(m.files)} | - | MISSED | - |")
+        else:
+            run, test, seconds = found
+            cells = [m.name, m.path, run.file, run.label, test, f"{seconds:.0f}"]
+            rows.append("| " + " | ".join(cells) + " |")
+    shutil.rmtree(WORK / "package", ignore_errors=True)
+    print("\n".join(rows))
+    if missed:
+        print("MISSED:", " ".join(missed))
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
