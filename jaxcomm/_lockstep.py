@@ -78,14 +78,18 @@ class _Module(threading.local):
     sealed = False  # none of its calls is last
     hidden = False  # it has calls where jaxcomm does not see its end (see above)
     ends_seen = False  # a jaxcomm.jit computation, which ends with a settling call
+    # It has calls in shard_map over several processes: nothing is tracked, since
+    # a rank that goes out of step there ends the job, and no settling call is
+    # made (outside shard_map it would act on arrays that span the processes).
+    sharded = False
 
     def start(self, module: Any) -> None:
         self.module, self.calls, self.last, self.comms = module, [], [], []
-        self.sealed = self.hidden = self.ends_seen = False
+        self.sealed = self.hidden = self.ends_seen = self.sharded = False
 
     @property
     def tracked(self) -> bool:
-        return self.ends_seen or not self.hidden
+        return (self.ends_seen and not self.sharded) or not self.hidden
 
 
 _lowering = _Module()
@@ -111,6 +115,7 @@ def emitted(
     state = _state(ctx.module_context.module)
     if sharded:
         cpu.end_job_when_out_of_step()
+        state.sharded = True
         _seal(state)
     in_loop, in_callee = _placement(call)
     if (in_loop or in_callee) and not state.hidden:
@@ -145,7 +150,7 @@ def unsettled(ctx: mlir.LoweringRuleContext) -> bool:
     """Whether the module has calls whose computation only a settling call at its
     end can settle (see above): then jaxcomm.jit emits one, and `ends` it."""
     state = _lowering
-    return state.module is ctx.module_context.module and state.hidden
+    return state.module is ctx.module_context.module and state.hidden and not state.sharded
 
 
 def ends(ctx: mlir.LoweringRuleContext) -> None:

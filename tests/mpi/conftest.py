@@ -8,16 +8,15 @@ import jax
 import progress
 import pytest
 from graph_edges import GRAPHS, lists
-from jax_processes import start_jax_distributed
+from jax_processes import DISTRIBUTED, start_jax_distributed
 from mpi4py import MPI
 
 # The tests cover 64-bit dtypes; this is test configuration, jaxcomm never sets it.
 jax.config.update("jax_enable_x64", True)
 
 
-# JAXCOMM_TEST_DISTRIBUTED=1: the ranks are one multi-process JAX program
-# (test_sharded.py); before anything asks JAX for its devices.
-DISTRIBUTED = os.environ.get("JAXCOMM_TEST_DISTRIBUTED") == "1"
+# A multi-process JAX program (jax_processes.DISTRIBUTED): started before anything
+# asks JAX for its devices.
 if DISTRIBUTED:
     start_jax_distributed()
 

@@ -1,9 +1,20 @@
 """Making the ranks of an MPI job one multi-process JAX program (jax.distributed)."""
 
+import os
 import socket
 
 import jax
+import pytest
 from mpi4py import MPI
+
+# JAXCOMM_TEST_DISTRIBUTED=1: the ranks are one multi-process JAX program
+# (tests/test_mpiexec.py's sharded runs; tests/mpi/conftest.py starts it).
+DISTRIBUTED = os.environ.get("JAXCOMM_TEST_DISTRIBUTED") == "1"
+# The mark of a file that needs it.
+distributed_only = pytest.mark.skipif(
+    not DISTRIBUTED,
+    reason="a jax.distributed program: JAXCOMM_TEST_DISTRIBUTED=1 (tests/test_mpiexec.py)",
+)
 
 
 def start_jax_distributed() -> None:

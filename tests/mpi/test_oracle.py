@@ -57,17 +57,13 @@ from hypothesis import strategies as st
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax_processes import DISTRIBUTED, distributed_only
 from mpi4py import MPI
-from test_lockstep import forget_failures
 
 import jaxcomm
 from jaxcomm import JaxComm
 
-DISTRIBUTED = os.environ.get("JAXCOMM_TEST_DISTRIBUTED") == "1"
-pytestmark = pytest.mark.skipif(
-    not DISTRIBUTED,
-    reason="a jax.distributed program: JAXCOMM_TEST_DISTRIBUTED=1 (tests/test_mpiexec.py)",
-)
+pytestmark = distributed_only
 
 WORLD = MPI.COMM_WORLD
 N, RANK = WORLD.size, WORLD.rank
@@ -717,54 +713,3 @@ EVERY_POST = (
 @seed(SEED)
 def test_posted_programs_equal_jax_collectives(comms, example):
     check(example, comms[example.group])
-
-
-# -- failures ---------------------------------------------------------------------------------
-
-
-def check_failure(example: Example, comm: JaxComm) -> None:
-    """Every rank's computation fails between two of its jaxcomm calls: each
-    rank is then out of step (jaxcomm cannot know that its peers skipped the
-    same calls) and refuses its next call, unless the communicator has one rank
-    (no peer waits for it). Then back in step, as a test may be."""
-    try:
-        ours(example, comm)
-        ran = "ran"
-    except jax.errors.JaxRuntimeError as error:
-        ran = str(error)
-    try:
-        np.asarray(comm.allreduce(jnp.ones(1)))
-        next_call = "ran"
-    except jax.errors.JaxRuntimeError as error:
-        next_call = str(error)
-    forget_failures()
-    ok = "the test's failure" in ran and (
-        "out of step" in next_call if comm.size > 1 else next_call == "ran"
-    )
-    outcomes = WORLD.allgather((ok, next_call[-300:], ran[-300:]))
-    failed = [(rank, seen) for rank, (ok, *seen) in enumerate(outcomes) if not ok]
-    assert not failed, (f"JAXCOMM_ORACLE_SEED={SEED}", example, failed)
-
-
-@st.composite
-def failing(draw) -> Example:
-    """An example that fails after one of its operations, with a later one that
-    its peers would wait for, outside shard_map (inside, a rank out of step
-    ends the job), in a jitted computation (eager calls are computations of one
-    operation each)."""
-    example = draw(examples(posted=draw(st.booleans())))
-    ops = example.ops if len(example.ops) > 1 else (*example.ops, Op("allreduce"))
-    return dataclasses.replace(
-        example,
-        ops=ops,
-        place="outside",
-        mode=draw(st.sampled_from(["jax.jit", "jaxcomm.jit"])),
-        fail=draw(st.integers(0, len(ops) - 2)),
-    )
-
-
-@given(example=failing().filter(lambda e: excluded(e) is None))
-@SETTINGS
-@seed(SEED)
-def test_a_failure_between_calls_refuses_the_next_call(comms, example):
-    check_failure(example, comms[example.group])

@@ -23,16 +23,13 @@ from hypothesis import strategies as st
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax_processes import DISTRIBUTED, distributed_only
 from mpi4py import MPI
 
 import jaxcomm
 from jaxcomm import JaxComm
 
-DISTRIBUTED = os.environ.get("JAXCOMM_TEST_DISTRIBUTED") == "1"
-pytestmark = pytest.mark.skipif(
-    not DISTRIBUTED,
-    reason="a jax.distributed program: JAXCOMM_TEST_DISTRIBUTED=1 (tests/test_mpiexec.py)",
-)
+pytestmark = distributed_only
 
 WORLD = MPI.COMM_WORLD
 N, RANK = WORLD.size, WORLD.rank
