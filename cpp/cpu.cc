@@ -47,7 +47,9 @@ struct Compiled<Function> {
     if constexpr (kStarts<Function>) executing.emplace(run.run_id);
     ffi::Error error = Function(std::move(args)...);
     if (error.failure()) {
-      failed(operation, error, last, on_python_thread());
+      // In step, the peers skip the rest of the computation too: it owes nothing.
+      if (failed(operation, error, last, on_python_thread()) && tracked)
+        ran(run.run_id, comms, /*last=*/true, operation);
       mpi::abandon_compiled(run.run_id);
     } else if (tracked) {
       ran(run.run_id, comms, last, operation);

@@ -310,7 +310,9 @@ struct Staged<Function> {
     Entered entered(operation);
     ffi::Error error = Stage(stream, args...);
     if (error.failure()) {
-      failed(operation, error, last, on_python_thread());
+      // In step, the peers skip the rest of the computation too: it owes nothing.
+      if (failed(operation, error, last, on_python_thread()) && tracked)
+        ran(run.run_id, comms, /*last=*/true, operation);
     } else if (tracked) {
       ran(run.run_id, comms, last, operation);
     }

@@ -103,7 +103,7 @@ ffi::Error paired(ffi::Error error) { return mark(std::move(error), Ending::kPai
 
 ffi::Error on_every_rank(ffi::Error error) { return mark(std::move(error), Ending::kEveryRank); }
 
-void failed(std::string_view operation, const ffi::Error& error, bool last, bool synchronous) {
+bool failed(std::string_view operation, const ffi::Error& error, bool last, bool synchronous) {
   Notes& n = notes();
   Ending ending = n.marked == fingerprint(error) ? n.ending : Ending::kUnpaired;
   if (n.ranks == 1 && ending == Ending::kUnpaired) ending = Ending::kPaired;
@@ -125,11 +125,12 @@ void failed(std::string_view operation, const ffi::Error& error, bool last, bool
                   "refuses the next call with jaxcomm's effect instead of running it (" +
                   error.message() + ")";
     }
-    return;
+    return true;
   } else {
-    return;
+    return true;
   }
   diverge(std::string(operation) + " failed " + why + " (" + error.message() + ")");
+  return false;
 }
 
 void diverge(std::string why) {

@@ -68,7 +68,9 @@ struct Notes {
 // its `error`: this rank goes out of step but as above, `last` saying that no
 // jaxcomm operation that a peer waits for can follow in the same computation and
 // `synchronous` that the operation runs inside the call that dispatched it.
-void failed(std::string_view operation, const ffi::Error& error, bool last, bool synchronous);
+// Returns whether this rank stays in step: then the peers skip the same later
+// operations, and its computation owes them nothing.
+bool failed(std::string_view operation, const ffi::Error& error, bool last, bool synchronous);
 
 // This rank goes out of step: `why` says what its peers may be waiting for. The
 // first reason is kept.

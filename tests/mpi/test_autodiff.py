@@ -436,25 +436,30 @@ def ring(comm):
     return {"source": (comm.rank - 1) % comm.size, "dest": (comm.rank + 1) % comm.size}
 
 
-def test_checking_mode_catches_unreplicated_cotangent(comm):
+@pytest.mark.parametrize("wrap", ["eager", "jax.jit", "jaxcomm.jit"])
+def test_checking_mode_catches_unreplicated_cotangent(comm, wrap):
+    """The check fails alike on every rank, after the computation's allreduce:
+    catching it is safe, and the next calls (the fixed gradient) run."""
+    import jaxcomm
     from jaxcomm import JaxComm
 
     checked = JaxComm(comm, check=True)
     x = jnp.arange(3.0)
+    wrapped = {"eager": lambda f: f, "jax.jit": jax.jit, "jaxcomm.jit": jaxcomm.jit}[wrap]
 
     def rank_dependent(x):  # the allreduce result feeds rank-dependent code
         return jnp.sum(checked.allreduce(x) * (checked.rank + 1.0))
 
     if comm.size == 1:
-        np.testing.assert_array_equal(jax.grad(rank_dependent)(x), np.ones(3))
+        np.testing.assert_array_equal(wrapped(jax.grad(rank_dependent))(x), np.ones(3))
     else:
         with pytest.raises(Exception, match=r"transpose of allreduce .* not identical") as err:
-            jax.grad(rank_dependent)(x)
+            np.asarray(wrapped(jax.grad(rank_dependent))(x))
         assert "pvary" in str(err.value)
     # With the marker, the same code is right and passes the check.
     fixed = lambda x: jnp.sum(checked.pvary(checked.allreduce(x)) * (checked.rank + 1.0))  # noqa: E731
     total = sum(r + 1.0 for r in range(comm.size))
-    np.testing.assert_allclose(jax.grad(fixed)(x), np.full(3, total))
+    np.testing.assert_allclose(wrapped(jax.grad(fixed))(x), np.full(3, total))
     checked.free()
 
 
