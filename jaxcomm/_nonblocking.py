@@ -272,20 +272,25 @@ def _test_batch(args, dims):
 define_rules(test_p, jvp=_test_jvp, batch=_test_batch)
 
 
-def _host_only(ctx, *args, **params):
-    raise NotImplementedError(
-        "jaxcomm's non-blocking operations run on host (CPU) arrays only; on GPU use "
-        "the blocking ones (docs: Non-blocking operations)"
-    )
+def _host_only(primitive):
+    """The lowering of `primitive` on a platform other than the host's: an error
+    that names the operation (a wait's, or the primitive's own)."""
+
+    def refuse(ctx, *args, **params):
+        operation = params.get("operation", primitive.name.removeprefix("jaxcomm_"))
+        raise NotImplementedError(
+            f"{operation}: jaxcomm's non-blocking operations run on host (CPU) arrays "
+            "only; on GPU use the blocking ones (docs: Non-blocking operations)"
+        )
+
+    return refuse
 
 
 register_lowering(wait_p, _wait_lowering, platform="cpu")
 for _platform in PLATFORMS:
     if _platform != "cpu":
-        mlir.register_lowering(wait_p, _host_only, platform=_platform)
-        mlir.register_lowering(test_p, _host_only, platform=_platform)
-        for _op in OPERATIONS.values():
-            mlir.register_lowering(_op.start, _host_only, platform=_platform)
+        for _primitive in (wait_p, test_p, *(op.start for op in OPERATIONS.values())):
+            mlir.register_lowering(_primitive, _host_only(_primitive), platform=_platform)
 
 
 def _wait_operands(kind: StartBuffers, request, keep, pending, counts=()) -> list:
