@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from jax import core
 
+from jaxcomm import _sharded
 from jaxcomm._checks import ROOT
 from jaxcomm._primitive import (
     CommInfo,
@@ -165,7 +166,7 @@ def _gather_transpose(cts, x, *, comm, root):
 
 def _allgather_transpose(cts, x, *, comm):
     ct = shared_cotangent(instantiate(cts[0]), comm=comm, operation="allgather")
-    return [ct[comm.rank]]
+    return [_sharded.own_row(ct, comm)]
 
 
 def _scatter_transpose(cts, x, *, comm, root):

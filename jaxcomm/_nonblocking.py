@@ -482,7 +482,9 @@ ADJOINTS: dict[str, Adjoint] = {
         None,
         local=lambda ct, comm, root: on_rank(comm.rank == root, _shared(ct, comm, "ibcast")),
     ),
-    "iallgather": Adjoint(None, local=lambda ct, comm: _shared(ct, comm, "iallgather")[comm.rank]),
+    "iallgather": Adjoint(
+        None, local=lambda ct, comm: _sharded.own_row(_shared(ct, comm, "iallgather"), comm)
+    ),
     "ialltoall": Adjoint("ialltoall"),
     "ineighbor_allgather": Adjoint(None, local=_collectives.neighbor_allgather_transpose),
     "ineighbor_alltoall": Adjoint("ineighbor_alltoall", over=_reversed),

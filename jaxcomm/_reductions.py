@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import core
 
+from jaxcomm import _sharded
 from jaxcomm._checks import ROOT, reduce_op
 from jaxcomm._collectives import allgather, bcast
 from jaxcomm._datatypes import ReduceOp
@@ -147,7 +148,7 @@ def _reduce_scatter_tangent(x, y, t, *, comm, op):
         return reduce_scatter(t, comm=comm, op=op)
     # Row `rank` of the allreduce; pvary because each rank keeps a different row.
     whole = _allreduce_tangent(x, allreduce(x, comm=comm, op=op), t, comm=comm, op=op)
-    return pvary(whole, comm=comm)[comm.rank]
+    return _sharded.own_row(pvary(whole, comm=comm), comm)
 
 
 def _reduction_jvp(primitive, tangent):

@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax import lax
 from mpi4py import MPI
 
 from jaxcomm import _settings
@@ -125,6 +126,17 @@ def one_value(comm: Any, operation: str) -> bool:
     if not in_shard_map():
         return True
     return comm.span is not None and bool(spanned(comm, operation))
+
+
+def own_row(x: Any, comm: Any) -> Any:
+    """Row `comm.rank` of x (shape (size, ...)). Inside shard_map, with a
+    communicator made by along(), the row is chosen by lax.axis_index of its
+    axes rather than by this process's rank: every process then compiles the
+    same program, as JAX needs where the program also holds its own collectives
+    (a constant index lets one process's compiler drop what another's keeps)."""
+    if in_shard_map() and comm.span is not None:
+        return lax.dynamic_index_in_dim(x, lax.axis_index(comm.span.axes), keepdims=False)
+    return x[comm.rank]
 
 
 def type_results(

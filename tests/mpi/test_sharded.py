@@ -289,6 +289,31 @@ def test_nonblocking_derivatives_in_control_flow_equal_jax(line, control, check_
             np.testing.assert_allclose(_local(a), _local(b), rtol=1e-12)
 
 
+@pytest.mark.parametrize("posted", [False, True], ids=["allgather", "iallgather"])
+def test_grad_of_one_row_of_an_invariant_allgather_equals_jax(line, posted):
+    """Only row 0 of along()'s allgather (invariant under check_vma) reaches the
+    loss: the transpose takes each process's row by lax.axis_index, not by a
+    constant rank, so every process compiles the same program and JAX's psum
+    in it pairs (with a constant row, one process's compiler dropped the psum
+    and the other waited in it forever)."""
+    weights = jnp.array([1.0, 2.0, 3.0])
+
+    def total(ours):
+        def per_device(b):
+            if ours:
+                rows = line.wait(line.iallgather(b**2)) if posted else line.allgather(b**2)
+            else:
+                rows = lax.all_gather(b**2, "x")
+            return jnp.sum(rows[0] * (lax.axis_index("x") + 1.0) * weights, keepdims=True)
+
+        run = jax.shard_map(per_device, mesh=MESH, in_specs=P("x"), out_specs=P("x"))
+        return lambda x: run(x).sum()
+
+    x = jax.make_array_from_process_local_data(NamedSharding(MESH, P("x")), block(RANK))
+    got, want = (jax.jit(jax.grad(total(ours)))(x) for ours in (True, False))
+    np.testing.assert_allclose(_local(got), _local(want), rtol=1e-12)
+
+
 @pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "no check_vma"])
 @pytest.mark.parametrize("kind", ["COMM_WORLD", "split", "along"])
 def test_grad_through_every_communicator_equals_psum(comm, line, kind, check_vma):
