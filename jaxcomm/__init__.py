@@ -34,7 +34,7 @@ import jax
 from jax.experimental import io_callback
 from mpi4py import MPI
 
-from jaxcomm import _lockstep, _native, _requests
+from jaxcomm import _jax_internals, _lockstep, _native, _requests
 from jaxcomm._datatypes import DTYPES, ReduceOp
 from jaxcomm._jit import jit
 from jaxcomm._kernels import build_flags, register_kernel
@@ -75,10 +75,10 @@ __all__ = [  # and every module-level operation, added below
 # pending jaxcomm operations (otherwise a rank can hang at exit), drop the
 # requests that were never waited, and end the job if one of those computations
 # has put the rank out of step, or stopped before operations that peers wait in.
-atexit.register(_lockstep.abort_if_out_of_step, ended=True)
+atexit.register(_lockstep.abort_if_out_of_step, _jax_internals.failure_unclaimed, ended=True)
 atexit.register(_requests.drop_at_exit)
 atexit.register(jax.effects_barrier)
-atexit.register(_lockstep.abort_if_out_of_step)
+atexit.register(_lockstep.abort_if_out_of_step, _jax_internals.failure_unclaimed)
 
 
 def _free_duplicate(base: MPI.Comm, keyval: int, wrapped: JaxComm) -> None:

@@ -43,6 +43,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -219,7 +220,7 @@ def out_of_step() -> str | None:
     return cpu.out_of_step()
 
 
-def abort_if_out_of_step(*, ended: bool = False) -> None:
+def abort_if_out_of_step(failure_unclaimed: Callable[[], bool], *, ended: bool = False) -> None:
     """At exit: end the job if this rank is out of step, so that no peer waits
     for it forever (jaxcomm/__init__.py runs it before waiting for pending
     computations, which may themselves wait for a peer, and after: `ended`). A
@@ -228,9 +229,8 @@ def abort_if_out_of_step(*, ended: bool = False) -> None:
     refused a later call for it: not if its error still waits in JAX's token,
     which no call has taken. Once every computation has ended, one that still
     owes operations (it stopped before them) puts it out of step: the peers
-    wait in them."""
-    from jaxcomm._jax_internals import failure_unclaimed  # it imports this module
-
+    wait in them. `failure_unclaimed`: whether such an error still waits in
+    JAX's token (jaxcomm._jax_internals, which builds on this module)."""
     if ended:
         cpu.diverge_if_owed()
     if cpu.refusal_pending() is not None:
