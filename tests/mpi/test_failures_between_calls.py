@@ -67,13 +67,18 @@ def failing(draw) -> Example:
     its peers would wait for, outside shard_map (inside, a rank out of step
     ends the job), in a jitted computation (eager calls are computations of one
     operation each)."""
-    example = draw(examples(posted=draw(st.booleans())))
+    # Blocking operations only: a failure between a post and its wait leaves the
+    # posted message unreceived, and a later test would receive it.
+    example = draw(examples(posted=False))
     ops = example.ops if len(example.ops) > 1 else (*example.ops, Op("allreduce"))
     return dataclasses.replace(
         example,
         ops=ops,
         place="outside",
-        mode=draw(st.sampled_from(["jax.jit", "jaxcomm.jit"])),
+        # Under jax.jit, jaxcomm sees where a computation ends only where its calls
+        # lie outside loops, branches and nested jits (docs/troubleshooting.md);
+        # jaxcomm.jit sees it everywhere.
+        mode="jaxcomm.jit" if example.body else draw(st.sampled_from(["jax.jit", "jaxcomm.jit"])),
         fail=draw(st.integers(0, len(ops) - 2)),
     )
 
