@@ -222,8 +222,9 @@ class OrderedPrimitive(core.Primitive):
     zeros_like, a constant sent) would run once, before the loop, on the ranks
     where they do not change and in every iteration on the others, and the
     ranks' messages would not pair up. So a jaxcomm equation traced in a scan
-    body is staged when a partial evaluation binds it again: it stays in the
-    loop, where it was traced, and runs as often. JAX splits a scan body by
+    body, or in a cond branch, jit or checkpoint nested in one, is staged when a
+    partial evaluation binds it again: it stays in the loop, where it was
+    traced, and runs as often. JAX splits a scan body by
     evaluating it this way too when it linearizes a custom_jvp rule or a
     while_loop that calls one, and then fails with "Linearization failed": the
     primal operations could not run first. Under JAX's direct linearization
@@ -241,16 +242,35 @@ class OrderedPrimitive(core.Primitive):
             params = _InScanBody({k: v for k, v in params.items() if k != _REPLAYED})
             if isinstance(trace, pe.JaxprTrace) and config.use_direct_linearize.value:
                 return _staged(trace, self, args, params)
-        elif _scan_body(trace):
+        elif _in_scan_body.depth or _scan_body(trace):
             params = _InScanBody(params)
-        return super().bind_with_trace(trace, args, avals, params)
+        if not isinstance(params, _InScanBody):
+            return super().bind_with_trace(trace, args, avals, params)
+        # A transformation's rule binds the operations it makes with a copy of
+        # the parameters (**params): they are in the loop body too.
+        _in_scan_body.depth += 1
+        try:
+            return super().bind_with_trace(trace, args, avals, params)
+        finally:
+            _in_scan_body.depth -= 1
+
+
+class _InScanBodyDepth(threading.local):
+    depth = 0
+
+
+_in_scan_body = _InScanBodyDepth()
 
 
 def _scan_body(trace: Any) -> bool:
     """Whether `trace` traces the body of a loop that JAX's reverse mode may hoist
-    work out of."""
-    debug_info = getattr(getattr(trace, "frame", None), "debug_info", None)
-    return getattr(debug_info, "traced_for", None) in _HOISTING_LOOPS
+    work out of, or a function traced inside one (a cond branch, a nested jit)."""
+    while trace is not None:
+        debug_info = getattr(getattr(trace, "frame", None), "debug_info", None)
+        if getattr(debug_info, "traced_for", None) in _HOISTING_LOOPS:
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
 
 
 def _staged(trace: pe.JaxprTrace, primitive: core.Primitive, args: Sequence[Any], params):

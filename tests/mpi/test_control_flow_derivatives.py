@@ -150,3 +150,56 @@ def test_eager_gradients_equal_the_blocking_twins(comm, control):
     twin = loss(comm, control, blocking=True, body=constant_template)
     x = block(comm)
     assert_close(jax.grad(ours)(x), jax.grad(twin)(x), "grad")
+
+
+def sends_what_varies(comm, c):
+    """A ring step whose message depends on the loop's carry."""
+    left, right = peers(comm)
+    return comm.sendrecv(jnp.sin(c), jnp.zeros_like(c), source=left, dest=right) * c
+
+
+def sends_a_constant(comm, c):
+    """The same ring step sending a constant: each of its operands is the same in
+    every iteration, what JAX's reverse mode moves out of a loop."""
+    left, right = peers(comm)
+    return comm.sendrecv(jnp.ones_like(c), jnp.zeros_like(c), source=left, dest=right) * c
+
+
+def _branches(comm):
+    return [lambda c: sends_what_varies(comm, c), lambda c: sends_a_constant(comm, c)]
+
+
+# A step whose branch each rank chooses (even ranks send what varies, odd ranks
+# a constant), as a user may write it; the loop bodies hold it nested.
+CHOSEN: dict[str, Callable] = {
+    "cond": lambda comm: lambda c: lax.cond(comm.rank % 2 == 0, *_branches(comm), c),
+    "switch": lambda comm: lambda c: lax.switch(comm.rank % 2, _branches(comm), c),
+    "jit_of_python_if": lambda comm: jax.jit(_branches(comm)[comm.rank % 2]),
+    "jit_of_cond": lambda comm: jax.jit(CHOSEN["cond"](comm)),
+    "cond_of_jits": lambda comm: (
+        lambda c: lax.cond(comm.rank % 2 == 0, *map(jax.jit, _branches(comm)), c)
+    ),
+    "checkpoint_of_cond": lambda comm: jax.checkpoint(CHOSEN["cond"](comm)),
+}
+
+
+@pytest.mark.parametrize("chosen", CHOSEN)
+@pytest.mark.parametrize("control", ["scan", "fori_loop"])
+def test_branches_chosen_by_rank_inside_loops(comm, control, chosen):
+    """Each rank takes its own branch inside a loop body, nested in a cond, a
+    switch or a jit: the gradient is that of the loop written out in Python with
+    the branch chosen in Python, where nothing can move out of a loop."""
+    step = CHOSEN[chosen](comm)
+    unrolled_step = _branches(comm)[comm.rank % 2]
+
+    def ours(x):
+        return jnp.sum(jnp.sin(CONTROL[control](step, x)) * (comm.rank + 1.0))
+
+    def unrolled(x):
+        for _ in range(2):
+            x = unrolled_step(x)
+        return jnp.sum(jnp.sin(x) * (comm.rank + 1.0))
+
+    x = block(comm)
+    assert_close(jax.jit(ours)(x), jax.jit(unrolled)(x), "value")
+    assert_close(jax.jit(jax.grad(ours))(x), jax.jit(jax.grad(unrolled))(x), "grad")
