@@ -20,7 +20,7 @@ import numpy as np
 from jax._src import config, core, dispatch, effects, sharding_impls
 from jax._src.array import ArrayImpl
 from jax._src.core import ManualAxisType
-from jax._src.interpreters import ad, mlir
+from jax._src.interpreters import ad, mlir, pxla
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib import xla_client
 from jax._src.lib.mlir.dialects import hlo
@@ -522,20 +522,59 @@ def chain_marker() -> jax.Array:
 
 def failure_unclaimed() -> bool:
     """Whether JAX's token of jaxcomm's effect on this thread holds the error of
-    a computation that failed after its call had returned: no call with the
-    effect has been made since, which JAX would have refused (and taken the
-    error from the token). False where this JAX cannot tell: before 0.12 JAX
-    refuses every later call and keeps the error."""
-    if jax.__version_info__ < (0, 12):
-        return False
+    a computation that failed after its call had returned, and no call with the
+    effect (which a peer may run) has been refused for it since. JAX 0.12
+    refuses the next such call of the thread and takes the error from the
+    token; older JAX keeps it there and refuses every later call, which
+    `_note_refusals` sees."""
     token = dispatch.runtime_tokens.current_tokens.get(COMM_EFFECT)
-    if token is None:
-        return False
+    return token is not None and token is not _refused.token and _holds_error(token)
+
+
+class _Refused(threading.local):
+    """This thread's token of jaxcomm's effect when JAX last refused a call for
+    its error (JAX before 0.12, which leaves the token as it was)."""
+
+    token: core.Token | None = None
+
+
+_refused = _Refused()
+
+
+def _note_refusals(shard_tokens: Callable[..., Any]) -> Callable[..., Any]:
+    """JAX's handler that puts an ordered effect's token on the devices of the
+    computation being dispatched, noting each refusal of a call with jaxcomm's
+    effect: before 0.12 JAX refuses a call there, raising the error of the
+    computation that returned the token. Another effect's token may raise
+    before jaxcomm's is reached: a refusal while jaxcomm's token holds an error
+    counts as a refusal for that error."""
+
+    def shard(tokens: Sequence[Any], *args: Any) -> Any:
+        try:
+            return shard_tokens(tokens, *args)
+        except jax.errors.JaxRuntimeError:
+            ours = dispatch.runtime_tokens.current_tokens.get(COMM_EFFECT)
+            if ours is not None and (any(t is ours for t in tokens) or _holds_error(ours)):
+                _refused.token = ours
+            raise
+
+    return shard
+
+
+def _holds_error(token: core.Token) -> bool:
+    """Whether the computation that returned `token` failed (once it has ended)."""
     try:
         token.block_until_ready()
     except jax.errors.JaxRuntimeError:
         return True
     return False
+
+
+# Before 0.12 nothing of JAX's state tells a refused call from none at exit
+# (failure_unclaimed): both leave the same token. The handler, as wrapped, does
+# what JAX's does; JAX 0.10 and 0.11 are released, so the handler stays as read.
+if jax.__version_info__ < (0, 12):
+    pxla.shard_arg_handlers[core.Token] = _note_refusals(pxla.shard_arg_handlers[core.Token])
 
 
 def restart_chain() -> jax.Array:

@@ -59,7 +59,7 @@ def jit(fun: Callable[..., Any] | None = None, **options: Any) -> Callable[..., 
     dispatched = _jax_jit(_with_marker(fun), **{**options, **shifted})
 
     # What refusals name (jaxcomm._lockstep): the call, not an operation.
-    name = f"the call of jaxcomm.jit function {getattr(fun, '__name__', repr(fun))!r}"
+    name = f"the call of jaxcomm.jit function {_name(fun)!r}"
 
     @functools.wraps(fun)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -84,6 +84,14 @@ def jit(fun: Callable[..., Any] | None = None, **options: Any) -> Callable[..., 
     # Ahead-of-time inspection (HLO, shapes) of fun as jax.jit compiles it.
     call.lower, call.trace, call.eval_shape = plain.lower, plain.trace, plain.eval_shape
     return call
+
+
+def _name(fun: Callable[..., Any]) -> str:
+    """fun's name; for a functools.partial, the name of the function it wraps;
+    for a callable object without one, its class's."""
+    while isinstance(fun, functools.partial):
+        fun = fun.func
+    return getattr(fun, "__name__", None) or type(fun).__name__
 
 
 def _waited(marker: Callable[[], jax.Array], name: str) -> jax.Array:

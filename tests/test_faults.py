@@ -9,7 +9,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import jax
 import progress
 import pytest
 from mpirun import failure_summary, rank_outputs, run, run_tests, run_watched
@@ -476,15 +475,14 @@ def test_a_step_stopped_by_a_callback_ends_the_job_instead_of_pairing(tmp_path, 
     assert "a computation stopped after its allreduce" in result.stderr, output
 
 
-@pytest.mark.parametrize("then", ["exit", "refused call"])
-def test_an_error_no_peer_waits_for_after_its_call_returned(tmp_path, then):
+@pytest.mark.parametrize(("size", "then"), [(1, "exit"), (2, "exit"), (2, "refused call")])
+def test_an_error_no_peer_waits_for_after_its_call_returned(tmp_path, size, then):
     """Each rank's step on COMM_SELF fails after its call has returned (an
     alltoallv overflow beside a long matrix product), and the program catches
     the error. No peer waits in that step; but JAX refuses the next call with
-    jaxcomm's effect for it, and a peer could wait in a refused call. With
-    nothing after, the program ends normally on JAX 0.12 and later (the error
-    still waits in JAX's token: nothing was refused); after a refused call, or
-    on older JAX where jaxcomm cannot tell, the job ends at exit."""
+    jaxcomm's effect for it (before 0.12, every later one), and a peer could
+    wait in a refused call. With nothing after, the program ends normally on
+    every JAX (nothing was refused); after a refused call the job ends at exit."""
     script = program(
         tmp_path,
         f"""
@@ -511,13 +509,16 @@ def test_an_error_no_peer_waits_for_after_its_call_returned(tmp_path, then):
         print("rank", world.rank, "done")
     """,
     )
-    result = run(2, [script], TIMEOUT)
-    for rank in (0, 1):
-        assert f"rank {rank} raised:" in result.stdout, result.stdout + result.stderr
-        assert f"rank {rank} done" in result.stdout, result.stdout + result.stderr
-    ends_normally = then == "exit" and jax.__version_info__ >= (0, 12)
-    assert (result.returncode == 0) == ends_normally, result.stdout + result.stderr
-    assert ("ends the job at exit" in result.stderr) != ends_normally, result.stderr
+    result = run(size, [script], TIMEOUT)
+    output = result.stdout + result.stderr
+    for rank in range(size):
+        assert f"rank {rank} raised:" in result.stdout, output
+        assert f"rank {rank} done" in result.stdout, output
+        assert (f"rank {rank} refused" in result.stdout) == (then == "refused call"), output
+    ends_normally = then == "exit"
+    assert (result.returncode == 0) == ends_normally, output
+    assert ("ends the job at exit" in result.stderr) != ends_normally, output
+    assert ("mpi_abort" in output.lower()) != ends_normally, output
 
 
 @pytest.mark.parametrize(

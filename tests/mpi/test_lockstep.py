@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import re
 import threading
 import time
 
@@ -207,27 +206,59 @@ def check_in_step(comm) -> None:
 
 def test_out_of_step_refuses_every_later_call(comm):
     """Out of step, a rank refuses eager calls, jitted ones and posts alike, with
-    an error that says why; its peers wait for nothing it refused here."""
+    an error that says why; its peers wait for nothing it refused here. The
+    error names what it refused: the operation, or the call of a jaxcomm.jit
+    function by that function's name, never a function as an operation."""
+
+    def step(y):
+        return comm.allreduce(y) * 2
+
+    class Step:
+        def __call__(self, y):
+            return comm.allreduce(y)
+
     _native.cpu.diverge("a test said so")
     x = jnp.ones(2, jnp.float32)
+    # Each call, and what its error names.
     calls = {
-        "eager": lambda: comm.allreduce(x),
-        "jax.jit": lambda: jax.jit(comm.allreduce)(x),
-        "jaxcomm.jit": lambda: jaxcomm.jit(comm.allreduce)(x),
-        "post": lambda: comm.iallreduce(x),
-    }
-    # What each refuses: the operation, or the call of the jaxcomm.jit function.
-    refused = {
-        "eager": "allreduce",
-        "jax.jit": "allreduce",
-        "jaxcomm.jit": "the call of jaxcomm.jit function 'allreduce'",
-        "post": "iallreduce",
+        "eager": (lambda: comm.allreduce(x), "allreduce"),
+        "jax.jit": (lambda: jax.jit(comm.allreduce)(x), "allreduce"),
+        "jax.jit of a function": (lambda: jax.jit(step)(x), "allreduce"),
+        "jaxcomm.jit": (
+            lambda: jaxcomm.jit(comm.allreduce)(x),
+            "the call of jaxcomm.jit function 'allreduce'",
+        ),
+        "jaxcomm.jit of a function": (
+            lambda: jaxcomm.jit(step)(x),
+            "the call of jaxcomm.jit function 'step'",
+        ),
+        "jaxcomm.jit of a lambda": (
+            lambda: jaxcomm.jit(lambda y: comm.allreduce(y))(x),
+            "the call of jaxcomm.jit function '<lambda>'",
+        ),
+        "jaxcomm.jit of a partial": (
+            lambda: jaxcomm.jit(functools.partial(comm.allreduce, op=MPI.MAX))(x),
+            "the call of jaxcomm.jit function 'allreduce'",
+        ),
+        "jaxcomm.jit of a callable object": (
+            lambda: jaxcomm.jit(Step())(x),
+            "the call of jaxcomm.jit function 'Step'",
+        ),
+        "jaxcomm.jit inside jax.jit": (lambda: jax.jit(jaxcomm.jit(step))(x), "allreduce"),
+        "post": (lambda: comm.iallreduce(x), "iallreduce"),
+        "barrier": (lambda: comm.barrier(), "barrier"),
     }
     try:
-        for how, call in calls.items():
-            what = re.escape(f"jaxcomm: {refused[how]} refused: rank {comm.rank} is out of step")
-            with pytest.raises(jax.errors.JaxRuntimeError, match=f"{what}.*a test said so"):
+        for how, (call, what) in calls.items():
+            with pytest.raises(jax.errors.JaxRuntimeError) as refused:
                 jax.block_until_ready(call())
+            assert str(refused.value) == (
+                f"FAILED_PRECONDITION: jaxcomm: {what} refused: rank {MPI.COMM_WORLD.rank} is "
+                "out of step with its peers: a test said so. Its peers may be waiting in a call "
+                "that it skipped, so it makes no more calls, rather than pair one with the "
+                "wrong call of a peer. End the job (an uncaught exception ends it under "
+                "`python -m mpi4py`)."
+            ), how
     finally:
         forget_failures()
     check_in_step(comm)
