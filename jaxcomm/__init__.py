@@ -77,7 +77,7 @@ __all__ = [  # and every module-level operation, added below
 # has put the rank out of step, or stopped before operations that peers wait in.
 atexit.register(_lockstep.abort_if_out_of_step, _jax_internals.failure_unclaimed, ended=True)
 atexit.register(_requests.drop_at_exit)
-atexit.register(jax.effects_barrier)
+atexit.register(_jax_internals.effects_settled)
 atexit.register(_lockstep.abort_if_out_of_step, _jax_internals.failure_unclaimed)
 
 

@@ -10,6 +10,7 @@ pyproject.toml and tested in CI.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ __all__ = [
     "chain_marker",
     "continue_chain",
     "current_trace",
+    "effects_settled",
     "failure_unclaimed",
     "host_arrays",
     "in_shard_map",
@@ -575,6 +577,15 @@ def _holds_error(token: core.Token) -> bool:
 # what JAX's does; JAX 0.10 and 0.11 are released, so the handler stays as read.
 if jax.__version_info__ < (0, 12):
     pxla.shard_arg_handlers[core.Token] = _note_refusals(pxla.shard_arg_handlers[core.Token])
+
+
+def effects_settled() -> None:
+    """Wait for every computation with an ordered effect to end. A failed one's
+    error is left to JAX and to jaxcomm._lockstep (which ends the job if the
+    failure put the rank out of step): at exit it was either seen by the
+    program already or, as JAX itself does, not reported."""
+    with contextlib.suppress(jax.errors.JaxRuntimeError):
+        jax.effects_barrier()
 
 
 def restart_chain() -> jax.Array:
