@@ -170,30 +170,27 @@ def _branches(comm):
 
 
 # A step whose branch each rank chooses (even ranks send what varies, odd ranks
-# a constant), as a user may write it; the loop bodies hold it nested.
+# a constant), nested in a loop body as a user may write it: in a cond (traced
+# apart from the body), in a jit (whose rules rebind the operation), and both.
 CHOSEN: dict[str, Callable] = {
     "cond": lambda comm: lambda c: lax.cond(comm.rank % 2 == 0, *_branches(comm), c),
-    "switch": lambda comm: lambda c: lax.switch(comm.rank % 2, _branches(comm), c),
-    "jit_of_python_if": lambda comm: jax.jit(_branches(comm)[comm.rank % 2]),
-    "jit_of_cond": lambda comm: jax.jit(CHOSEN["cond"](comm)),
+    "jit": lambda comm: jax.jit(_branches(comm)[comm.rank % 2]),
     "cond_of_jits": lambda comm: (
         lambda c: lax.cond(comm.rank % 2 == 0, *map(jax.jit, _branches(comm)), c)
     ),
-    "checkpoint_of_cond": lambda comm: jax.checkpoint(CHOSEN["cond"](comm)),
 }
 
 
 @pytest.mark.parametrize("chosen", CHOSEN)
-@pytest.mark.parametrize("control", ["scan", "fori_loop"])
-def test_branches_chosen_by_rank_inside_loops(comm, control, chosen):
-    """Each rank takes its own branch inside a loop body, nested in a cond, a
-    switch or a jit: the gradient is that of the loop written out in Python with
-    the branch chosen in Python, where nothing can move out of a loop."""
+def test_branches_chosen_by_rank_inside_loops(comm, chosen):
+    """Each rank takes its own branch inside a scan body (fori_loop's is one),
+    nested in a cond or a jit: the gradient is that of the loop written out in
+    Python with the branch chosen in Python, where nothing can move out of a loop."""
     step = CHOSEN[chosen](comm)
     unrolled_step = _branches(comm)[comm.rank % 2]
 
     def ours(x):
-        return jnp.sum(jnp.sin(CONTROL[control](step, x)) * (comm.rank + 1.0))
+        return jnp.sum(jnp.sin(scan(step, x)) * (comm.rank + 1.0))
 
     def unrolled(x):
         for _ in range(2):
