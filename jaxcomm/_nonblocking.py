@@ -26,10 +26,10 @@ from ANY_TAG too: its wait checks that it came with its message's tag, and its
 cotangent goes back with that tag (itagged_send, whose tag is an operand). The
 transpose of a wait posts the adjoint operation and the transpose of the start
 waits for it, so that cotangents overlap the backward pass as the primal
-messages overlap the forward pass. The adjoints of
-results that every rank holds alike (iallreduce, ibcast, iallgather) are
-computed at the wait's transpose: without a message where the result is one
-value, else with a blocking allreduce (jaxcomm._replicated.shared_cotangent).
+messages overlap the forward pass. The adjoints of results that every rank
+holds alike (iallreduce, ibcast, iallgather) are computed at the wait's
+transpose: without a message where the result is one value, else with a
+blocking allreduce (jaxcomm._replicated.shared_cotangent).
 
 What the user holds, a Request, and how a post on a pytree becomes these
 primitives' calls, is jaxcomm._requests.
