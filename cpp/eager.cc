@@ -263,19 +263,22 @@ void* address_of(nb::handle array, bool writable = false) {
 }
 
 // The eager wait: completes the request posted in the buffer of `request`,
-// whose result MPI writes into `out` (None: none). Returns ("", "", source,
-// tag), or the error's code name and message.
-std::tuple<std::string, std::string, int, int> complete(nb::handle request, nb::handle out) {
+// whose result MPI writes into `out` (None: none); `tangent_of` (None: none) as
+// mpi::complete takes it. Returns ("", "", source, tag), or the error's code
+// name and message.
+std::tuple<std::string, std::string, int, int> complete(nb::handle request, nb::handle out,
+                                                        nb::handle tangent_of) {
   int32_t status[2] = {MPI_PROC_NULL, MPI_ANY_TAG};
   const void* key = address_of(request);
   void* result = address_of(out, /*writable=*/true);
+  const auto* primal = static_cast<const int32_t*>(address_of(tangent_of));
   constexpr std::string_view operation = kOperationName<&mpi::Wait>;
   ffi::Error error = in_step() ? ffi::Error::Success() : refusal(operation);
   if (error.success()) {
     nb::gil_scoped_release unlocked;
     mpi::CheckInterrupts interrupts(&python_interrupted);
     Entered entered(operation);
-    error = mpi::complete(key, result, status);
+    error = mpi::complete(key, result, status, primal);
   }
   raise_if_interrupted();  // Ctrl-C: the receive cancelled, the send left to MPI
   if (!error.success()) {
@@ -313,6 +316,7 @@ void define_eager(nb::module_& m) {
            nb::arg("attrs"), nb::arg("before"), nb::arg("fail"))
       .def("__call__", &EagerCall::operator());
   m.def("complete", &complete, nb::arg("request"), nb::arg("out").none(),
+        nb::arg("tangent_of").none() = nb::none(),
         "Wait for the non-blocking operation posted in the buffer of `request`.");
   m.def("test", &test, nb::arg("request"),
         "Whether the non-blocking operation posted in the buffer of `request` is done.");

@@ -192,9 +192,10 @@ ffi::Error IneighborAlltoall(Token, Buffer x, TokenOut, Result out, Result reque
 
 // isend and irecv post on buffers their pending request owns (requests.h): isend
 // sends a copy of x; irecv receives into a buffer that the wait copies out.
-ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result /*keep*/, int64_t comm_key,
-                 bool check, int32_t dest, int32_t tag) {
-  Call call(comm_key, check, x);
+namespace {
+
+ffi::Error post_send(Call& call, const Buffer& x, Result& request, int64_t comm_key, bool check,
+                     int32_t dest, int32_t tag) {
   call.peer("dest", dest).peer("tag", tag);
   MPI_Comm comm = call.comm();
   MPI_Datatype type;
@@ -219,6 +220,23 @@ ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result /*keep*/, int
                                    }),
                     call.operation(), comm);
   return post(request->untyped_data(), std::move(pending));
+}
+
+}  // namespace
+
+ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result /*keep*/, int64_t comm_key,
+                 bool check, int32_t dest, int32_t tag) {
+  Call call(comm_key, check, x);
+  return post_send(call, x, request, comm_key, check, dest, tag);
+}
+
+ffi::Error ItaggedSend(Token, Buffer x, Buffer status, TokenOut, Result request, Result /*keep*/,
+                       int64_t comm_key, bool check, int32_t dest) {
+  Call call(comm_key, check, x);
+  if (status.element_type() != ffi::DataType::S32 || status.element_count() != 2)
+    return invalid_argument(call.operation(), "the status must be int32[2]");
+  const int32_t tag = static_cast<const int32_t*>(status.untyped_data())[1];
+  return post_send(call, x, request, comm_key, check, dest, tag);
 }
 
 // Checking mode receives each message's header alongside it: both are posted
@@ -281,7 +299,8 @@ ffi::Error Irecv(Token, TokenOut, Result out, Result request, int64_t comm_key, 
   return post(request->untyped_data(), std::move(pending));
 }
 
-ffi::Error Wait(Token, Buffer request, ffi::RemainingArgs, TokenOut, ffi::RemainingRets results) {
+ffi::Error Wait(Token, Buffer request, ffi::RemainingArgs args, TokenOut,
+                ffi::RemainingRets results) {
   void* out = nullptr;
   int32_t* status = nullptr;
   if (results.size() > 0) {
@@ -294,7 +313,15 @@ ffi::Error Wait(Token, Buffer request, ffi::RemainingArgs, TokenOut, ffi::Remain
     if (result.has_error()) return result.error();
     status = static_cast<int32_t*>((*result)->untyped_data());
   }
-  return complete(request.untyped_data(), out, status);
+  // A receive's wait may take, after its buffer, the status of the message whose
+  // tangent it receives (requests.h, complete).
+  const int32_t* tangent_of = nullptr;
+  if (status != nullptr && args.size() > 1) {
+    auto primal = args.get<ffi::AnyBuffer>(1);
+    if (primal.has_error()) return primal.error();
+    tangent_of = static_cast<const int32_t*>((*primal).untyped_data());
+  }
+  return complete(request.untyped_data(), out, status, tangent_of);
 }
 
 ffi::Error Test(Token, Buffer request, TokenOut, ffi::Result<ffi::BufferR0<ffi::PRED>> done) {

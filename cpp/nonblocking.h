@@ -52,8 +52,14 @@ ffi::Error Isend(Token, Buffer x, TokenOut, Result request, Result keep, int64_t
                  int32_t dest, int32_t tag);
 ffi::Error Irecv(Token, TokenOut, Result out, Result request, int64_t comm, bool check,
                  int32_t source, int32_t tag);
-// Completes the request named by `request`; its other operands only keep buffers
-// alive. Results: the received data (aliased with the start's), then the status.
+// isend with the tag of `status` (source, tag), known at run time: a cotangent
+// going back to the sender of a message received from MPI_ANY_TAG.
+ffi::Error ItaggedSend(Token, Buffer x, Buffer status, TokenOut, Result request, Result keep,
+                       int64_t comm, bool check, int32_t dest);
+// Completes the request named by `request`; its other operands keep buffers
+// alive, but for a receive's second: the status of the message whose tangent it
+// takes, if any (requests.h, complete). Results: the received data (aliased with
+// the start's), then the status.
 ffi::Error Wait(Token, Buffer request, ffi::RemainingArgs, TokenOut, ffi::RemainingRets results);
 // Whether the request named by `request` has completed (requests.h, test).
 ffi::Error Test(Token, Buffer request, TokenOut, ffi::Result<ffi::BufferR0<ffi::PRED>> done);
@@ -64,6 +70,7 @@ ffi::Error Test(Token, Buffer request, TokenOut, ffi::Result<ffi::BufferR0<ffi::
 // X(name, function, binding, attributes) for each start, as operations.h
 // describes. A start returns its result's buffer, the request and x passed
 // through (isend has no result; irecv and ibcast no x: ibcast works in x's buffer).
+// itagged_send, which AD alone posts, is isend with its tag read from a status.
 #define JAXCOMM_NONBLOCKING(X, base, A)                                                          \
   X(iallreduce, Iallreduce, (one_input<mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)),            \
     A(int32_t, op))                                                                              \
@@ -77,6 +84,14 @@ ffi::Error Test(Token, Buffer request, TokenOut, ffi::Result<ffi::BufferR0<ffi::
   X(ineighbor_alltoall, IneighborAlltoall,                                                       \
     (one_input<mpi::Buffer, mpi::Buffer, mpi::Buffer>(base)), )                                  \
   X(isend, Isend, (one_input<mpi::Buffer, mpi::Buffer>(base)), A(int32_t, dest) A(int32_t, tag)) \
+  X(itagged_send, ItaggedSend,                                                                   \
+    with_comm(base.Arg<mpi::Token>()                                                             \
+                  .Arg<mpi::Buffer>()                                                            \
+                  .Arg<mpi::Buffer>()                                                            \
+                  .Ret<mpi::Token>()                                                             \
+                  .Ret<mpi::Buffer>()                                                            \
+                  .Ret<mpi::Buffer>()),                                                          \
+    A(int32_t, dest))                                                                            \
   X(irecv, Irecv, (no_input<mpi::Buffer, mpi::Buffer>(base)), A(int32_t, source) A(int32_t, tag))
 
 #endif  // JAXCOMM_NONBLOCKING_H_

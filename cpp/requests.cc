@@ -316,7 +316,7 @@ ffi::Error test(const void* key, bool* done) {
   return ffi::Error::Success();
 }
 
-ffi::Error complete(const void* key, void* out, int32_t* status) {
+ffi::Error complete(const void* key, void* out, int32_t* status, const int32_t* tangent_of) {
   Pending pending;
   {
     Table& t = table();
@@ -350,6 +350,15 @@ ffi::Error complete(const void* key, void* out, int32_t* status) {
   }
   if (pending.finish)
     if (auto err = pending.finish(call, statuses, status); err.failure()) return err;
+  if (tangent_of != nullptr && status != nullptr && status[1] != tangent_of[1])
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "jaxcomm: " + name + ": the tangent of a message received from MPI.ANY_TAG " +
+                          "came with tag " + std::to_string(status[1]) + ", its message with tag " +
+                          std::to_string(tangent_of[1]) + ": another message from rank " +
+                          std::to_string(status[0]) +
+                          " came between them (ranks send and receive in different orders "
+                          "around jax.linearize's parts, or a receive does not differentiate "
+                          "what its sender differentiates)");
   if (out != nullptr && pending.result_bytes > 0)
     memory().copy(out, pending.result, pending.result_bytes);
   return ffi::Error::Success();

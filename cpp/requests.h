@@ -147,8 +147,12 @@ ffi::Error test(const void* key, bool* done);
 
 // Waits for the requests recorded under `key`, finishes them and copies the
 // result to `out` (null: nowhere); `status` receives (source, tag) of a receive,
-// if not null. Interrupted, the requests become orphans.
-ffi::Error complete(const void* key, void* out, int32_t* status);
+// if not null. Interrupted, the requests become orphans. `tangent_of`, if not
+// null, is the status of the message whose tangent this receive from
+// MPI_ANY_TAG takes: a message with another tag is an error (its tangent
+// receive is posted with the message's, before the tag is known).
+ffi::Error complete(const void* key, void* out, int32_t* status,
+                    const int32_t* tangent_of = nullptr);
 
 // While it lives, the requests that this thread posts belong to XLA execution
 // `run` (its RunId): set by the wrapper of a compiled handler.

@@ -21,12 +21,15 @@ may run between them.
 
 Under AD the tangent of a linear operation is posted and waited alongside the
 primal one; a non-linear reduction (MAX, PROD...) computes its tangent at the
-wait, with blocking calls. The transpose of a wait posts the adjoint operation
-and the transpose of the start waits for it, so that cotangents overlap the
-backward pass as the primal messages overlap the forward pass. The adjoints of
-results that every rank holds alike (iallreduce, ibcast, iallgather) are
-computed at the wait's transpose: without a message where the result is one
-value, else with a blocking allreduce (jaxcomm._replicated.shared_cotangent).
+wait, with blocking calls. The tangent of a receive from MPI.ANY_TAG is posted
+from ANY_TAG too: its wait checks that it came with its message's tag, and its
+cotangent goes back with that tag (itagged_send, whose tag is an operand). The
+transpose of a wait posts the adjoint operation and the transpose of the start
+waits for it, so that cotangents overlap the backward pass as the primal
+messages overlap the forward pass. The adjoints of results that every rank
+holds alike (iallreduce, ibcast, iallgather) are computed at the wait's
+transpose: without a message where the result is one value, else with a
+blocking allreduce (jaxcomm._replicated.shared_cotangent).
 
 What the user holds, a Request, and how a post on a pytree becomes these
 primitives' calls, is jaxcomm._requests.
@@ -44,9 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import core
 from jax.interpreters import ad, mlir
-from mpi4py import MPI
 
 from jaxcomm import _collectives, _p2p, _reductions, _replicated, _sharded, _variable_size
+from jaxcomm._checks import DEST
 from jaxcomm._datatypes import ReduceOp
 from jaxcomm._jax_internals import (
     COMM_EFFECT,
@@ -188,6 +191,27 @@ OPERATIONS: dict[str, Nonblocking] = {
 }
 
 
+def _declare_tagged_send() -> Nonblocking:
+    """isend whose tag is read from a receive's status int32[2] = (source, tag) at
+    run time: the cotangent of a message received from MPI.ANY_TAG goes back with
+    the tag it came with. Only AD posts it (never differentiated or batched)."""
+    name = "itagged_send"
+    start = comm_primitive(
+        name,
+        lambda x, status, **_: [REQUEST, x],
+        aliases=lambda *_, **__: _aliases(SEND),
+        before_lowering=partial(_refuse_unwaited, name),
+        params={"dest": DEST},
+    )
+    start.def_impl(
+        lambda *operands, posted, **params: apply_primitive(start, *operands, posted=0, **params)
+    )
+    return Nonblocking(start, SEND, 0, 0)
+
+
+OPERATIONS["itagged_send"] = _declare_tagged_send()
+
+
 # -- the wait --------------------------------------------------------------------------
 
 
@@ -222,8 +246,9 @@ wait_p.multiple_results = True
 def _wait_impl(*operands, operation, comm, params):
     # Not through JAX's dispatch: that would copy `pending` (it cannot donate it)
     # before MPI has written it.
-    request, keep, pending, _ = _split_wait_operands(OPERATIONS[operation].kind, operands)
-    return [jnp.asarray(v) for v in wait_now(operation, comm, params, pending, request, keep)]
+    request, keep, pending, rest = _split_wait_operands(OPERATIONS[operation].kind, operands)
+    outs = wait_now(operation, comm, params, pending, request, keep, rest)
+    return [jnp.asarray(v) for v in outs]
 
 
 wait_p.def_impl(_wait_impl)
@@ -301,7 +326,8 @@ def _wait_operands(kind: StartBuffers, request, keep, pending, counts=()) -> lis
 def bind_wait(
     operation: str, comm: CommInfo, params: dict, request, keep, pending, counts=()
 ) -> list:
-    """The wait of a request; `counts`: a variable-size start's (send, received)."""
+    """The wait of a request; `counts`: a variable-size start's (send, received),
+    or a receive's (status,) of the message whose tangent it takes (_wait_jvp)."""
     operands = _wait_operands(OPERATIONS[operation].kind, request, keep, pending, counts)
     return wait_p.bind(
         *operands, operation=operation, comm=comm, params=tuple(sorted(params.items()))
@@ -310,7 +336,8 @@ def bind_wait(
 
 def wait_now(operation, comm, params, pending, request, keep, counts=()):
     """Complete a request posted outside any trace, now (`counts`, a variable-size
-    start's, serve only its adjoint)."""
+    start's, serve only its adjoint; a receive's, the status of the message whose
+    tangent it takes, is checked)."""
     # The result is copied into `pending`: a NumPy array on the direct path. A
     # start that went through JAX's dispatch left a read-only jax.Array there,
     # which may already hold the result (ibcast's root): the wait gets a copy.
@@ -318,7 +345,9 @@ def wait_now(operation, comm, params, pending, request, keep, counts=()):
         pending = np.array(pending)
     # Through the buffer protocol, which waits for a request buffer that JAX's
     # dispatch is still computing.
-    code, message, source, tag = cpu.complete(request, pending)
+    receive = OPERATIONS[operation].kind.status
+    tangent_of = np.asarray(counts[0], np.int32) if receive and counts else None
+    code, message, source, tag = cpu.complete(request, pending, tangent_of)
     if code:
         raise jax.errors.JaxRuntimeError(f"{code}: {message}")
     if pending is None:
@@ -361,12 +390,13 @@ def _start_jvp(operation):
             )
             return outs, [*dots[:-1], zeros[-1]]
         if operation == "irecv":
+            # From ANY_TAG too: the tangent is posted now, from ANY_TAG, so that no
+            # rank waits for a tangent its peer has not posted a receive for. It
+            # is sent right after its message (every jaxcomm send's JVP), and this
+            # receive is posted right after the message's: MPI's order of messages
+            # between two ranks pairs them as it paired the messages, which the
+            # wait checks by tag (_wait_jvp).
             _p2p.known_source("irecv", params["source"])
-            if _p2p.tag_unknown(params["source"], params["tag"]):
-                # Received at the wait, with the tag the primal message came with
-                # (which the reverse pass needs): the template's tangent waits there.
-                zeros[0] = instantiate(t)
-                return outs, zeros
         if not _linear(operation, params):
             # The tangent is computed at the wait, from x (kept) and its tangent.
             zeros[-1] = instantiate(t)
@@ -377,7 +407,9 @@ def _start_jvp(operation):
 
 
 def _split_wait_operands(kind: StartBuffers, operands: Sequence[Any]):
-    """(request, keep, pending, counts) of a wait's operands, None where absent."""
+    """(request, keep, pending, counts) of a wait's operands, None where absent.
+    `counts`: a variable-size exchange's (send, received), or a receive's
+    (status,) of the message whose tangent it takes, or ()."""
     request, *rest = operands
     keep = rest.pop(0) if kind.input else None
     pending = rest.pop(0) if kind.result else None
@@ -403,15 +435,12 @@ def _wait_jvp(primals, tangents, *, operation, comm, params):
             wait_p.bind(*tangent_wait, operation=operation, comm=comm, params=params)
         return outs, zeros
     if type(t_request) is not ad.Zero:
+        if _learns_tag(operation, dict(params)) and not t_counts:
+            # The status of the message whose tangent this is: the wait checks the
+            # tangent's tag against it, its transpose sends the cotangent with it.
+            tangent_wait.append(outs[1])
         dots = wait_p.bind(*tangent_wait, operation=operation, comm=comm, params=params)
         return outs, [dots[0], *zeros[1:]]
-    if operation == "irecv" and type(tangents[-1]) is not ad.Zero:  # from ANY_TAG
-        t = instantiate(tangents[-1])
-        source = dict(params)["source"]
-        dot = _p2p.any_tag_tangent(
-            t, outs[1], comm=comm, shape=t.shape, source=source, dest=MPI.PROC_NULL, sendtag=0
-        )
-        return outs, [dot, *zeros[1:]]
     if type(t_keep) is not ad.Zero and not _linear(operation, dict(params)):
         _, keep, _, _ = _split_wait_operands(kind, primals)
         dot = _nonlinear_tangent(operation, keep, outs[0], t_keep, comm, dict(params))
@@ -474,6 +503,18 @@ def _from_dest(**p):
 def _reply(**p):
     _p2p.known_source("irecv", p["source"])
     return {"dest": p["source"], "tag": _p2p.known_tag("irecv", p["source"], p["tag"])}
+
+
+def _learns_tag(operation: str, params: dict) -> bool:
+    """Whether `operation` is a receive from MPI.ANY_TAG, whose cotangent goes back
+    with the tag its message came with: by itagged_send, not by ADJOINTS' isend."""
+    return operation == "irecv" and _p2p.tag_unknown(params["source"], params["tag"])
+
+
+def _tag_reply(params: dict) -> dict:
+    """The params of itagged_send back to the source of receive `params`."""
+    _p2p.known_source("irecv", params["source"])
+    return {"dest": params["source"]}
 
 
 ADJOINTS: dict[str, Adjoint] = {
@@ -563,11 +604,18 @@ def _wait_transpose(cts, *operands, operation, comm, params):
         if source is None:  # isend: the cotangent comes back into a buffer like x
             source = jnp.zeros(operands[1].aval.shape, operands[1].aval.dtype)
         rows = _rows(operation, keep, counts) if kind.counts else 0
-        a_comm, a_params = adjoint.over(comm, _adjoint_params(adjoint, kind, params, rows))
+        if _learns_tag(operation, params):
+            if not counts:  # no message received here: no tag to send back with
+                _p2p.known_tag("irecv", params["source"], params["tag"])
+            target, a_comm, a_params = OPERATIONS["itagged_send"], comm, _tag_reply(params)
+        else:
+            a_comm, a_params = adjoint.over(comm, _adjoint_params(adjoint, kind, params, rows))
         a_params["posted"] = 0
         if operation == "irecv":  # see _p2p.refuse_derivative_of_reply
             a_params["cotangent"] = True
-        swapped = _swapped(operation, counts, comm, learn, params)
+        # A variable-size adjoint's counts, or the status whose tag a receive's
+        # cotangent goes back with.
+        swapped = _swapped(operation, counts, comm, learn, params) if kind.counts else counts
         outs = list(target.start.bind(source, *swapped, comm=a_comm, **a_params))
         a_pending = outs.pop(0) if target.kind.result else None
         request_ct = outs.pop(0)
@@ -605,9 +653,12 @@ def _start_transpose(operation):
         if adjoint.local is not None:
             return [instantiate(keep_ct if op.kind.input else pending_ct), *no_counts]
         target = adjoint.operation
-        a_kind = OPERATIONS[target].kind
         rows = _rows(operation, x, counts) if op.kind.counts else 0
-        a_comm, a_params = adjoint.over(comm, _adjoint_params(adjoint, op.kind, params, rows))
+        if _learns_tag(operation, params):  # as the wait's transpose posted it
+            target, a_comm, a_params = "itagged_send", comm, _tag_reply(params)
+        else:
+            a_comm, a_params = adjoint.over(comm, _adjoint_params(adjoint, op.kind, params, rows))
+        a_kind = OPERATIONS[target].kind
         learn = op.kind.counts and params["exchange"] == _variable_size.EXCHANGED
         swapped = _swapped(operation, counts, comm, learn, params)
         # As the wait's transpose passed them: the adjoint's pending came as keep's
@@ -648,6 +699,10 @@ def _wait_batch(args, dims, *, operation, comm, params):
     request, _, pending, counts = _split_wait_operands(kind, dims)
     if request is not None:
         raise ValueError(f"wait: the request of {operation} cannot be batched")
+    if kind.status and any(d is not None for d in counts):
+        raise NotImplementedError(
+            "vmap of a differentiated receive from MPI.ANY_TAG over its message's tag"
+        )
     if kind.counts:  # the counts too carry the batch first, as the start's outputs
         size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
         args = [
@@ -665,7 +720,9 @@ for _name, _op in OPERATIONS.items():
     define_rules(
         _op.start,
         jvp=_start_jvp(_name),
-        transpose=_start_transpose(_name),
+        # itagged_send carries a cotangent, which is never transposed: its
+        # derivative and batch are refused (_p2p.refuse_derivative_of_reply).
+        transpose=_start_transpose(_name) if _name in ADJOINTS else None,
         batch=_start_batch(_name),
     )
 define_rules(wait_p, jvp=_wait_jvp, transpose=_wait_transpose, batch=_wait_batch)

@@ -102,8 +102,14 @@ def test_debug_log_names_every_operation_as_the_cpp_table_does(tmp_path):
         for name, arg in [("iallreduce", x), ("ibcast", x), ("iallgather", x),
                           ("ireduce_scatter", rows), ("ialltoall", rows)]:
             comm.wait(getattr(comm, name)(arg))
-        # The tangent of a receive from ANY_TAG is a tagged_sendrecv.
+        # The tangent of a receive from ANY_TAG is a tagged_sendrecv; the
+        # cotangent of a posted one goes back by itagged_send.
         jax.jvp(lambda t: comm.sendrecv(t, source=left, dest=right), (x,), (x,))
+        def ring(t):
+            received = comm.irecv(t, source=left)
+            comm.wait(comm.isend(t, dest=right))
+            return comm.wait(received).sum()
+        jax.grad(ring)(x)
         # Checking mode's check of a replicated cotangent.
         jax.grad(lambda t: JaxComm(check=True).allreduce(t).sum())(x)
         if comm.rank == 0:  # one rank: two ranks' lines may interleave

@@ -523,6 +523,35 @@ def test_cotangents_pair_with_messages_by_tag(comm, send, receive, second_tag):
     np.testing.assert_array_equal(jax.grad(loss)(x, y), dx)
 
 
+def test_a_tangent_from_any_tag_that_meets_another_message_is_an_error(comm):
+    """The tangent of a receive from ANY_TAG is posted from ANY_TAG, right after
+    the receive of its message. Under jax.linearize the tangents travel when the
+    linear function runs, and here rank 0 sends another message (tag 2) before
+    it, which rank 1 receives after it: the tangent's receive takes that message.
+    Its wait sees the tag differ from its message's and says so, rather than
+    give that message as the tangent."""
+    if comm.size < 2:
+        pytest.skip("needs a sender and a receiver")
+    x, other = jnp.arange(3.0) + 1.0, jnp.full(3, -7.0)
+    if comm.rank == 0:
+        _, tangent = jax.linearize(lambda v: comm.wait(comm.isend(v, dest=1, tag=1)) or v, x)
+        comm.send(other, dest=1, tag=2)
+        tangent(jnp.ones(3))
+    elif comm.rank == 1:
+        received, tangent = jax.linearize(lambda v: comm.wait(comm.irecv(v, source=0)), x * 0)
+        np.testing.assert_array_equal(received, x)
+        with pytest.raises(jax.errors.JaxRuntimeError, match="with tag 2, its message with tag 1"):
+            tangent(jnp.ones(3))
+        # The linear function's wait failed before its end, so the rank is out of
+        # step; this test receives what rank 0 sent, and says so.
+        from jaxcomm import _native
+
+        assert "tag 2, its message with tag 1" in _native.cpu.out_of_step()
+        _native.cpu.resume()
+        np.testing.assert_array_equal(comm.recv(x, source=0, tag=1), np.ones(3))
+    comm.barrier()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "complex64", "int64", "bool"])
 def test_replication_check_names_the_differing_element(comm, dtype):
     from jaxcomm import JaxComm

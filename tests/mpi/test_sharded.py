@@ -243,16 +243,14 @@ def test_grad_and_jvp_equal_those_of_jax_collectives(line):
 
 def _ring_step(c, ours: bool, line):
     """One step of a ring shift by one along the mesh: non-blocking through
-    `line`, a receive into a constant template posted first; or lax.ppermute."""
+    `line`, a receive (from ANY_TAG) into a constant template posted first and
+    waited last; or lax.ppermute."""
     if not ours:
         return lax.ppermute(2.0 * c, "x", SHIFT)
     received = line.irecv(jnp.zeros_like(c), source=(line.rank - 1) % line.size)
     sent = line.isend(2.0 * c, dest=(line.rank + 1) % line.size)
-    # The receive from ANY_TAG is waited first: its cotangent goes back with a
-    # blocking send (docs/nonblocking.md).
-    value = line.wait(received)
     line.wait(sent)
-    return value
+    return line.wait(received)
 
 
 NONBLOCKING_CONTROL = {

@@ -79,6 +79,14 @@ MUTATIONS = [
         "wait() of a request of one MPI request copies the result out without MPI_Wait",
     ),
     Mutation(
+        "tangent-tag-unchecked",
+        "cpp/requests.cc",
+        "  if (tangent_of != nullptr && status != nullptr && status[1] != tangent_of[1])",
+        "  if (false && tangent_of != nullptr && status != nullptr && status[1] != tangent_of[1])",
+        ("autodiff",),
+        "the tangent of a receive from ANY_TAG is taken from another message, silently",
+    ),
+    Mutation(
         "wrong-root-bcast",
         "cpp/collectives.cc",
         "  const bool is_root = comm_rank(comm) == root;\n  if (is_root) copy_if_distinct",
