@@ -42,9 +42,8 @@ class UseMemory {
 inline char* bytes(const ffi::AnyBuffer& b) { return static_cast<char*>(b.untyped_data()); }
 inline char* bytes(ffi::Result<ffi::AnyBuffer>& b) { return static_cast<char*>(b->untyped_data()); }
 
-// out = in, unless XLA gave both the same buffer (a donated input) or an empty
-// out: where the result is x itself, the compiled call returns x and passes no
-// buffer for it (jaxcomm/_primitive.py, result_is_x).
+// out = in, unless XLA gave both the same buffer: where the result is x itself
+// (jaxcomm/_primitive.py, result_is_x), or x was donated.
 void copy_if_distinct(ffi::Result<ffi::AnyBuffer>& out, const ffi::AnyBuffer& in);
 
 void zero(ffi::Result<ffi::AnyBuffer>& out);

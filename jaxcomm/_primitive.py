@@ -28,7 +28,6 @@ from jaxcomm._jax_internals import (
     OrderedPrimitive,
     apply_primitive,
     lower_with_token,
-    lowering_mesh,
     register_lowering,
     taking_part,
 )
@@ -184,8 +183,9 @@ def comm_primitive(
     `aliases(*avals, **params)` says which outputs may reuse which inputs.
     `result_is_x(comm, **params)`: on this rank the first result is x, unchanged
     (bcast's root, reduce's and gather's other ranks). The compiled call then
-    reads x and returns it as it is: no copy, and no buffer for the result,
-    whether or not x is used afterwards.
+    returns x in x's own buffer: XLA copies x only where x is still needed
+    afterwards. Still a result of the call, not x itself: what reads it runs
+    after the call, on this rank as on the others (jaxcomm._lockstep needs it).
     `before_lowering(**params)` may refuse to lower a call.
     `params`: how each parameter a caller passes is checked (jaxcomm._checks).
     `elementwise`: each element of the result depends only on the same element of
@@ -223,29 +223,23 @@ def comm_primitive(
         for key in primitive.attrs:
             value = params[key]
             ffi_attrs[key] = value if isinstance(value, str) else np.int32(value)
-        # Not inside shard_map over processes: there every rank's result comes from
-        # the MPI call, so what follows it (JAX's collectives among it) waits for the
-        # call on every rank alike (jaxcomm._sharded: the order of JAX's collectives).
-        is_x = (
-            result_is_x is not None
-            and result_is_x(comm=comm, **params)
-            and lowering_mesh(ctx) is None
-        )
-        alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases and not is_x else None
+        # Where the result is x, it comes back from the call in x's buffer rather
+        # than as x itself: so what reads it waits for the call on every rank
+        # alike. Otherwise XLA may run it first here (a host callback, JAX's
+        # collectives in shard_map): one that fails would stop this rank's
+        # computation before a call that its peers make, where jaxcomm may not
+        # have seen any call of the computation run (jaxcomm._lockstep).
+        if result_is_x is not None and result_is_x(comm=comm, **params):
+            alias = {0: 0}
+        else:
+            alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases else None
         rule = lower_with_token(
             f"jaxcomm_{name}",
             aliases=alias,
             templates=templates,
             awaited=comm.key if comm.size > 1 else None,
         )
-        if not is_x:
-            return rule(ctx, *operands, **ffi_attrs)
-        # The host function sees an empty result and leaves it be (cpp/memory.h).
-        first, *rest = ctx.avals_out
-        empty = ctx.replace(avals_out=[core.ShapedArray((0,), first.dtype), *rest])
-        results = rule(empty, *operands, **ffi_attrs)
-        ctx.set_tokens_out(empty.tokens_out)
-        return [operands[0], *results[1:]]
+        return rule(ctx, *operands, **ffi_attrs)
 
     for platform in PLATFORMS:  # the same FFI target name on every platform
         register_lowering(primitive, lowering, platform=platform)

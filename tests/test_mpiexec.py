@@ -210,9 +210,8 @@ FILES = {
     "misuse": "3 asan jax-2",
     "neighbor_v": "3 asan jax-2 mpi-3",
     # Before the other files of the sharded runs: after jaxcomm has run inside
-    # shard_map over several processes, a rank out of step ends the job. Not on
-    # 3 ranks yet: an example there hangs (an open defect of issue 58).
-    "failures_between_calls": "sharded-1 sharded-2 sharded-4 jax-sharded-2",
+    # shard_map over several processes, a rank out of step ends the job.
+    "failures_between_calls": "sharded-1 sharded-2 sharded-3 sharded-4 jax-sharded-2 mpi-sharded-2",
     "oracle": "sharded-1 sharded-2 sharded-3 sharded-4 jax-sharded-2 mpi-sharded-2",
     "nonblocking": "1 2 3 eager-jax:eager jaxcomm-jit network asan jax-2 mpi-2 mpi-3",
     "ordered_jit": "5 jax-2",

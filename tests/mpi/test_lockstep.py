@@ -440,6 +440,86 @@ def test_a_computation_stopped_after_a_call_puts_the_rank_out_of_step(comm, jit,
     check_in_step(comm)
 
 
+# Operations whose result is x on some ranks: bcast's root, reduce's and
+# gather's other ranks. Root 0: the ranks whose result is x are `rooted` ones.
+KEEPS_X = {
+    "bcast": (lambda comm, x: comm.bcast(x, root=0), lambda rank: rank == 0),
+    "reduce": (lambda comm, x: comm.reduce(x, root=0), lambda rank: rank != 0),
+    "gather": (lambda comm, x: comm.gather(x, root=0)[0], lambda rank: rank != 0),
+}
+
+
+def after_keeping_x(comm, name: str, callback):
+    """A step: an allreduce, then `name`, whose result a host callback reads, then
+    an allreduce of what the callback returns."""
+    operation = KEEPS_X[name][0]
+
+    def step(x):
+        first = comm.allreduce(x)
+        kept = operation(comm, x)
+        like = jax.ShapeDtypeStruct(kept.shape, kept.dtype)
+        return comm.allreduce(first + jax.pure_callback(callback, like, kept))
+
+    return step
+
+
+def late_unless_x(comm, name: str) -> None:
+    """The ranks whose result is not x come late to the step: the others' first
+    allreduce waits for them, and anything that does not wait for the call
+    keeping x runs meanwhile."""
+    if not KEEPS_X[name][1](comm.rank):
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("name", KEEPS_X)
+@pytest.mark.parametrize("jit", JITS)
+def test_a_result_that_is_x_is_read_after_its_call(comm, jit, name):
+    """Where an operation's result is x, what reads it still runs after the
+    operation, as on the ranks where the result comes from the message: a host
+    callback that reads it sees both calls started."""
+    started = _native.cpu.call_count()
+    seen = []
+
+    def callback(kept):
+        seen.append(_native.cpu.call_count() - started)
+        return np.zeros_like(kept)
+
+    x = jnp.full(2, comm.rank + 1.0, jnp.float32)
+    late_unless_x(comm, name)
+    got = jax.block_until_ready(JITS[jit](after_keeping_x(comm, name, callback))(x))
+    total = comm.size * (comm.size + 1) / 2
+    np.testing.assert_array_equal(got, np.full(2, comm.size * total, np.float32))
+    assert seen == [2], f"the callback ran after {seen} of the step's calls had started, not 2"
+    check_in_step(comm)
+
+
+@pytest.mark.parametrize("name", KEEPS_X)
+@pytest.mark.parametrize("jit", JITS)
+def test_a_failure_after_a_result_that_is_x_puts_every_rank_out_of_step(comm, jit, name):
+    """Every rank's step stops in a host callback that reads a result that is x
+    on some ranks: each has made the same calls (the first allreduce and the
+    operation), so each refuses its next call, none waits for a peer, and none
+    pairs its next call with a peer's call of the step. On one rank nothing is
+    owed."""
+
+    def callback(kept):
+        raise RuntimeError("the callback fails on every rank")
+
+    x = jnp.full(2, comm.rank + 1.0, jnp.float32)
+    late_unless_x(comm, name)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="the callback fails on every rank"):
+        jax.block_until_ready(JITS[jit](after_keeping_x(comm, name, callback))(x))
+    try:
+        if comm.size == 1:
+            np.testing.assert_array_equal(comm.allreduce(x), x)
+        else:
+            with pytest.raises(jax.errors.JaxRuntimeError, match=r"refused: rank .* out of step"):
+                jax.block_until_ready(comm.allreduce(x))
+    finally:
+        forget_failures()
+    check_in_step(comm)
+
+
 def ends_normally(comm):
     """name -> a step whose jaxcomm calls lie where jaxcomm sees, or does not
     see, where they end: it always ends normally."""
