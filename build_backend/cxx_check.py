@@ -16,16 +16,23 @@ PROBE = """
 #include <memory>
 #include <ranges>
 #include <span>
+#include <stdexcept>
 #include <vector>
 #if __cplusplus < 202002L
 #error "not C++20"
 #endif
-int main() {
+// A class hierarchy and the standard library: linking them needs the C++
+// runtime, which a C compiler driver (CXX=gcc) leaves out.
+struct Failed : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+extern "C" int jaxcomm_probe() {
   std::vector<int> v{1, 2, 3};
   std::erase_if(v, [](int x) { return x == 2; });
   auto p = std::make_unique_for_overwrite<char[]>(4);
   std::span<int> s(v);
-  return std::bit_cast<std::uint32_t>(1.0f) == 0 || std::ranges::size(s) != 2 || !p;
+  if (std::ranges::size(s) != 2) throw Failed("probe");
+  return std::bit_cast<std::uint32_t>(1.0f) == 0 || !p;
 }
 """
 
@@ -54,15 +61,21 @@ def compiler() -> list[str]:
 
 
 def check() -> list[str]:
-    """The compiler, once it has compiled PROBE in C++20; else CompilerError."""
+    """The compiler, once it has built PROBE in C++20 into a shared library with
+    every symbol resolved, as jaxcomm's extension is built; else CompilerError."""
     cxx = compiler()
     with tempfile.TemporaryDirectory() as folder:
         source = Path(folder) / "probe.cc"
         source.write_text(PROBE)
+        library = Path(folder) / "probe.so"
+        command = [*cxx, "-std=c++20", "-shared", "-fPIC", "-Wl,--no-undefined"]
         done = subprocess.run(
-            [*cxx, "-std=c++20", "-fsyntax-only", str(source)], capture_output=True, text=True
+            [*command, str(source), "-o", str(library)], capture_output=True, text=True
         )
     if done.returncode != 0:
         errors = "\n".join(done.stderr.strip().splitlines()[:8])
-        raise CompilerError(f"{' '.join(cxx)} cannot compile jaxcomm's C++20:\n{errors}\n{FIX}")
+        raise CompilerError(
+            f"{' '.join(cxx)} cannot compile and link jaxcomm's C++20 (a C compiler, such "
+            f"as CXX=gcc, leaves out the C++ runtime):\n{errors}\n{FIX}"
+        )
     return cxx

@@ -120,7 +120,17 @@ def test_a_compiler_without_cxx20_is_refused(monkeypatch, tmp_path):
     old.write_text("#!/bin/sh\necho \"error: unrecognized '-std=c++20'\" >&2\nexit 1\n")
     old.chmod(0o755)
     monkeypatch.setenv("CXX", str(old))
-    with pytest.raises(cxx_check.CompilerError, match="cannot compile jaxcomm's C\\+\\+20"):
+    refused = "cannot compile and link jaxcomm's C\\+\\+20"
+    with pytest.raises(cxx_check.CompilerError, match=refused):
         cxx_check.check()
     monkeypatch.setenv("CXX", CXX[0])
     assert cxx_check.check() == CXX
+
+
+@pytest.mark.skipif(not shutil.which("gcc"), reason="no gcc")
+def test_a_c_compiler_driver_is_refused(monkeypatch):
+    """CXX=gcc compiles C++ but links without the C++ runtime: the extension would
+    build and then fail at import on an undefined C++ symbol."""
+    monkeypatch.setenv("CXX", "gcc")
+    with pytest.raises(cxx_check.CompilerError, match="leaves out the C\\+\\+ runtime"):
+        cxx_check.check()
