@@ -57,12 +57,14 @@ def report(mpi) -> int:
         if cuda
         else "CUDA module: not built"
     )
+    family = None
     try:
         family = _binding.build_for(library)
+        # Before loading it: a crash there still shows which build was tried.
         print(f"binds: the {family} build", flush=True)
         _binding.load("_jaxcomm_cpu", library)
     except _binding.MPILibraryMismatchError as error:
-        print(f"binds: none. {error}")
+        print(f"  it does not load: {error}" if family else f"binds: none. {error}")
         return 1
     print("  it loads.")
     return 0
@@ -77,9 +79,16 @@ def main() -> int:
     args = parser.parse_args()
     try:
         mpi = _mpi()
+    except ModuleNotFoundError as error:
+        if error.name != "mpi4py":
+            raise
+        print("mpi4py is not installed: install it, on a cluster built against the site's MPI")
+        print("(MPICC=mpicc pip install --no-cache-dir --no-binary mpi4py mpi4py; see")
+        print("docs/installation.md), elsewhere with an MPI wheel (pip install mpi4py mpich).")
+        return 1
     except (ImportError, RuntimeError) as error:
         print(f"mpi4py cannot load an MPI library: {error}")
-        print("Install one (pip install mpich), or load your site's MPI (`module load`).")
+        print("Load your site's MPI (`module load`), or install one (pip install mpich).")
         return 1
     if not (args.cmake_args or args.cflags or args.libs):
         return report(mpi)
