@@ -506,13 +506,13 @@ def test_an_error_no_peer_waits_for_after_its_call_returned(tmp_path, size, then
         try:
             jax.block_until_ready(out)
         except jax.errors.JaxRuntimeError as error:
-            print("rank", world.rank, "raised:", str(error).splitlines()[0][:60])
+            print(f"rank {{world.rank}} raised: " + str(error).splitlines()[0][:60])
         if {then == "refused call"!r}:
             try:
                 jax.block_until_ready(jax.jit(world.allreduce)(jnp.ones(2)))
             except jax.errors.JaxRuntimeError:
-                print("rank", world.rank, "refused")
-        print("rank", world.rank, "done")
+                print(f"rank {{world.rank}} refused")
+        print(f"rank {{world.rank}} done")
     """,
     )
     result = run(size, [script], TIMEOUT)
@@ -524,7 +524,9 @@ def test_an_error_no_peer_waits_for_after_its_call_returned(tmp_path, size, then
     ends_normally = then == "exit"
     assert (result.returncode == 0) == ends_normally, output
     assert ("ends the job at exit" in result.stderr) != ends_normally, output
-    assert ("mpi_abort" in output.lower()) != ends_normally, output
+    # Where the job ends, the launcher may kill it before MPI_Abort's own text is
+    # out (both ranks abort at once): the status and jaxcomm's line above say it.
+    assert ends_normally <= ("mpi_abort" not in output.lower()), output
     # jaxcomm's exit hook waits for the computations quietly (JAX's own hooks
     # print the error again before 0.12).
     assert "<function effects_barrier" not in result.stderr, output
