@@ -53,6 +53,7 @@ def _check(config_settings) -> None:
             cxx,
             mpi_home=_setting(config_settings, "MPI_HOME"),
             headers=_setting(config_settings, "JAXCOMM_MPI_HEADERS"),
+            headers_origin=_setting(config_settings, "JAXCOMM_MPI_HEADERS_ORIGIN"),
         )
     except (cxx_check.CompilerError, mpi_choice.NoMPIError) as error:
         _tell(f"jaxcomm: {error}")

@@ -14,7 +14,9 @@ A build therefore needs only its family's headers. A source build takes
    nothing is found.
 
 ``JAXCOMM_MPI_HEADERS`` (``family=dir:dir;family=dir``) names the builds
-instead; the binary wheel is built so (build_backend/wheel.py).
+instead; the binary wheel is built so (build_backend/wheel.py), with
+``JAXCOMM_MPI_HEADERS_ORIGIN`` saying where those headers came from: they were
+the build's only, and the installed jaxcomm does not point kernels at them.
 
 Run by CMake (``--cmake``, which writes the choice for it) and by the build
 backend before the build's requirements are installed, to fail early.
@@ -56,6 +58,8 @@ class Build:
     defines: list[str] = field(default_factory=list)
     family: str = ""  # filled by identify()
     version: str = ""  # the headers' MPI, e.g. "Open MPI 4.1.4"
+    mpicc: str = ""  # that MPI's compiler wrapper, where known: for the hints of jaxcomm._binding
+    kept: bool = True  # whether the headers stay after the build (for kernels: docs/extending.md)
 
 
 def wrapper_build(mpicc: str, origin: str) -> Build:
@@ -76,9 +80,10 @@ def wrapper_build(mpicc: str, origin: str) -> Build:
             include_dirs.append(token[2:])
         elif token.startswith("-D"):
             defines.append(token[2:])
+    program = shutil.which(mpicc) or mpicc
     if not include_dirs:  # a wrapper around a compiler that finds mpi.h itself
-        include_dirs = [str(Path(shutil.which(mpicc) or mpicc).resolve().parent.parent / "include")]
-    return Build(origin, include_dirs, defines)
+        include_dirs = [str(Path(program).resolve().parent.parent / "include")]
+    return Build(origin, include_dirs, defines, mpicc=str(Path(program).absolute()))
 
 
 def identify(build: Build, cxx: list[str]) -> Build:
@@ -116,6 +121,12 @@ def identify(build: Build, cxx: list[str]) -> Build:
     return build
 
 
+def _wrapper_in(prefix: Path) -> str:
+    """The MPI compiler wrapper of the MPI installed at `prefix`, or ""."""
+    mpicc = prefix / "bin" / "mpicc"
+    return str(mpicc) if os.access(mpicc, os.X_OK) else ""
+
+
 def _distribution_prefix(name: str) -> Path | None:
     """The prefix of an installed MPI wheel (where its include/mpi.h lies), if any."""
     try:
@@ -144,21 +155,30 @@ def _build_requirement_prefixes() -> list[Path]:
 
 def users_mpi(mpi_home: str, tried: list[str]) -> Build | None:
     """The MPI the user names or has installed (module docstring, 1. and 2.), or None."""
+    mpicc = os.environ.get("MPICC", "")
     if mpi_home:
+        # A cluster's `module load` often sets MPI_HOME: a user's MPICC must not
+        # lose to it unseen.
+        ignored = f" (MPICC={mpicc} ignored: MPI_HOME comes first)" if mpicc else ""
         include = Path(mpi_home) / "include"
         if not (include / "mpi.h").exists():
-            raise NoMPIError(f"MPI_HOME={mpi_home} has no include/mpi.h")
-        return Build(f"MPI_HOME={mpi_home}", [str(include)])
+            instead = f" to build with MPICC={mpicc}" if mpicc else " to find an MPI"
+            raise NoMPIError(
+                f"MPI_HOME={mpi_home} has no include/mpi.h: set it to an MPI's prefix, "
+                f"or unset MPI_HOME{instead} (MPI_HOME comes before MPICC)"
+            )
+        origin = f"MPI_HOME={mpi_home}{ignored}"
+        return Build(origin, [str(include)], mpicc=_wrapper_in(Path(mpi_home)))
     tried.append("MPI_HOME (unset)")
-    if os.environ.get("MPICC"):
-        mpicc = os.environ["MPICC"]
+    if mpicc:
         if not shutil.which(mpicc):
             raise NoMPIError(f"MPICC={mpicc} is not a program")
         return wrapper_build(mpicc, f"MPICC={mpicc}")
     tried.append("MPICC (unset)")
     for prefix in _target_prefixes():
         if (prefix / "include" / "mpi.h").exists():
-            return Build(f"the MPI wheel installed in {prefix}", [str(prefix / "include")])
+            origin = f"the MPI wheel installed in {prefix}"
+            return Build(origin, [str(prefix / "include")], mpicc=_wrapper_in(prefix))
     tried.append("an MPI wheel in " + " or ".join(map(str, _target_prefixes())))
     hidden = {(p / "bin").resolve() for p in _build_requirement_prefixes()}
     for entry in os.environ.get("PATH", "").split(os.pathsep):
@@ -169,7 +189,9 @@ def users_mpi(mpi_home: str, tried: list[str]) -> Build | None:
     return None
 
 
-def choose(cxx: list[str], mpi_home: str = "", headers: str = "") -> list[Build]:
+def choose(
+    cxx: list[str], mpi_home: str = "", headers: str = "", headers_origin: str = ""
+) -> list[Build]:
     """The builds to compile, the user's MPI first (module docstring)."""
     if headers:  # family=dir:dir;family=dir
         builds = []
@@ -178,7 +200,9 @@ def choose(cxx: list[str], mpi_home: str = "", headers: str = "") -> list[Build]
             if family not in FAMILIES:
                 raise NoMPIError(f"JAXCOMM_MPI_HEADERS: {family!r} is not one of {FAMILIES}")
             defines = [ABI_DEFINE] if family == "mpiabi" else []
-            build = identify(Build("JAXCOMM_MPI_HEADERS", dirs.split(":"), defines), cxx)
+            given = Build(headers_origin or "JAXCOMM_MPI_HEADERS", dirs.split(":"), defines)
+            given.kept = not headers_origin
+            build = identify(given, cxx)
             if build.family != family:
                 raise NoMPIError(f"JAXCOMM_MPI_HEADERS: {dirs} holds {build.family}, not {family}")
             builds.append(build)
@@ -193,7 +217,9 @@ def choose(cxx: list[str], mpi_home: str = "", headers: str = "") -> list[Build]
         wheel = _distribution_prefix("mpich")
         if wheel is not None and wheel not in _target_prefixes():
             origin = "the mpich wheel among the build requirements"
-            builds.append(identify(Build(origin, [str(wheel / "include")]), cxx))
+            # pip deletes its build environment afterwards: nothing to keep.
+            build = Build(origin, [str(wheel / "include")], kept=False)
+            builds.append(identify(build, cxx))
         else:
             tried.append("the mpich wheel among the build requirements")
     if not builds:
@@ -219,6 +245,8 @@ def write_cmake(builds: list[Build], path: Path) -> None:
             "INCLUDE_DIRS": ";".join(b.include_dirs),
             "DEFINES": ";".join(b.defines),
             "DESCRIPTION": f"{b.version} headers from {b.origin}",
+            "KEPT_INCLUDE_DIRS": ";".join(b.include_dirs) if b.kept else "",
+            "MPICC": b.mpicc,
         }
         lines += [f"set(JAXCOMM_MPI_{b.family}_{k} {_cmake_string(v)})" for k, v in values.items()]
     path.write_text("\n".join(lines) + "\n")
@@ -229,10 +257,13 @@ def main() -> int:
     parser.add_argument("--cxx", required=True, help="the C++ compiler (CMAKE_CXX_COMPILER)")
     parser.add_argument("--mpi-home", default=os.environ.get("MPI_HOME", ""))
     parser.add_argument("--headers", default=os.environ.get("JAXCOMM_MPI_HEADERS", ""))
+    parser.add_argument(
+        "--headers-origin", default=os.environ.get("JAXCOMM_MPI_HEADERS_ORIGIN", "")
+    )
     parser.add_argument("--cmake", type=Path, help="write the choice as CMake variables here")
     args = parser.parse_args()
     try:
-        builds = choose(shlex.split(args.cxx), args.mpi_home, args.headers)
+        builds = choose(shlex.split(args.cxx), args.mpi_home, args.headers, args.headers_origin)
     except NoMPIError as error:
         print(error, file=sys.stderr)
         return 1

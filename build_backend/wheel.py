@@ -72,7 +72,11 @@ def main() -> int:
         "mpiabi": inputs["mpich"] / "include",  # mpi.h with MPI_ABI is mpi_abi.h
     }
     settings = [
-        "-Ccmake.define.JAXCOMM_MPI_HEADERS=" + ";".join(f"{f}={d}" for f, d in headers.items())
+        "-Ccmake.define.JAXCOMM_MPI_HEADERS=" + ";".join(f"{f}={d}" for f, d in headers.items()),
+        # For `python -m jaxcomm` on the user's machine: whence the headers, which
+        # it does not have (kernels use the headers of their own MPI).
+        "-Ccmake.define.JAXCOMM_MPI_HEADERS_ORIGIN=PyPI's MPI wheels, when this binary wheel "
+        "was built",
     ]
     if args.no_cuda:
         settings.append("-Ccmake.define.JAXCOMM_CUDA=OFF")

