@@ -20,6 +20,9 @@ import ctypes
 import importlib.machinery
 import importlib.util
 import os
+import re
+import shlex
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,11 +37,28 @@ FAMILIES = {
     "mpiabi": "MPI-5 standard ABI (libmpi_abi.so)",
 }
 
-REBUILD = (
-    "build jaxcomm against that MPI: from jaxcomm's source directory, run "
-    "`MPICC=/path/to/that/mpicc python -m pip install --no-deps --force-reinstall .` "
-    "(or set MPI_HOME to that MPI's prefix); docs/installation.md says more."
-)
+
+def _with_mpicc(mpicc: str) -> str:
+    """The environment prefix of a command that builds with `mpicc`: MPI_HOME, which
+    a cluster's `module load` often sets, would come first (build_backend/mpi_choice.py)."""
+    mpi_home = "env -u MPI_HOME " if os.environ.get("MPI_HOME") else ""
+    return f"{mpi_home}MPICC={mpicc or '/path/to/that/mpicc'}"
+
+
+def rebuild_jaxcomm(mpicc: str = "") -> str:
+    """How to build jaxcomm against the MPI whose compiler wrapper is `mpicc`."""
+    return (
+        "from jaxcomm's source directory, run "
+        f"`{_with_mpicc(mpicc)} python -m pip install --no-deps --force-reinstall .`"
+    )
+
+
+def rebuild_mpi4py(mpicc: str = "") -> str:
+    """How to build mpi4py against the MPI whose compiler wrapper is `mpicc`."""
+    return (
+        f"`{_with_mpicc(mpicc)} python -m pip install --no-cache-dir --force-reinstall "
+        "--no-binary mpi4py mpi4py`"
+    )
 
 
 class MPILibraryMismatchError(ImportError):
@@ -98,16 +118,33 @@ def loaded_library(mpi: ModuleType) -> Library:
     return Library(path, _family(library), version)
 
 
+def not_built() -> str:
+    """Why this package cannot bind, if it is a source folder without the compiled
+    extension (Python puts the current folder first on its path: `python -m jaxcomm`
+    in a checkout imports it), naming the installed jaxcomm; else ""."""
+    if (PACKAGE / "_build_config.py").exists():  # written by the build
+        return ""
+    elsewhere = [p for p in sys.path if Path(p or ".").resolve() != PACKAGE.parent.resolve()]
+    installed = importlib.machinery.PathFinder.find_spec("jaxcomm", elsewhere)
+    where = (
+        f"The installed jaxcomm is in {installed.submodule_search_locations[0]}: run "
+        "`python -P -m jaxcomm` (-P: without the current folder), or from another folder."
+        if installed is not None
+        else f"No jaxcomm is installed for {sys.executable}: run `pip install .` first."
+    )
+    return (
+        f"jaxcomm is being imported from {PACKAGE}, a source folder without the compiled "
+        f"extension (Python looks in the current folder first). {where}"
+    )
+
+
 def builds() -> dict[str, dict]:
-    """The builds this package holds: family -> {"headers": ..., "include_dirs": [...]}."""
-    try:
-        from jaxcomm import _build_config
-    except ImportError:
-        raise ImportError(
-            f"jaxcomm is being imported from {PACKAGE}, which has no compiled extension "
-            "(a source checkout?). Install it with `pip install .` and run from outside "
-            "the source directory."
-        ) from None
+    """The builds this package holds: family -> {"headers": ..., "include_dirs": [...],
+    "mpicc": ...}."""
+    if not_built():
+        raise ImportError(not_built())
+    from jaxcomm import _build_config
+
     return _build_config.BUILDS
 
 
@@ -118,12 +155,52 @@ def cuda_version() -> str:
     return _build_config.CUDA_VERSION
 
 
+def cuda_missing() -> str:
+    """What keeps JAX from a CUDA backend here (and jaxcomm's CUDA module from
+    loading), or "": its CUDA plugin and an NVIDIA driver. Found without starting
+    JAX's backends (jax.distributed must come first) or touching the plugin, which
+    logs that it found no driver on a machine without a GPU."""
+    if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
+        return 'no JAX CUDA plugin (pip install "jax[cuda12]")'
+    if not (Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()):
+        return "no NVIDIA driver"
+    return ""
+
+
 def extension_file(module: str, family: str) -> Path | None:
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = PACKAGE / f"{module}.{family}{suffix}"
         if path.exists():
             return path
     return None
+
+
+def mpi4py_mpicc() -> str:
+    """The compiler wrapper mpi4py was built with; "" for mpi4py's binary wheel,
+    which chooses among the MPI libraries it finds at run time."""
+    import mpi4py
+
+    return str(mpi4py.get_config().get("mpicc", ""))
+
+
+def _ways_out(held: dict[str, dict]) -> str:
+    """Both ways to one MPI, the likelier first: jaxcomm rebuilt for mpi4py's MPI, or
+    mpi4py rebuilt for jaxcomm's. Whoever was built against a chosen MPI is right."""
+    ours = next((d for d in held.values() if os.access(d.get("mpicc") or "", os.X_OK)), None)
+    theirs = mpi4py_mpicc()
+    fix_jaxcomm = f"build jaxcomm against the MPI that mpi4py loads: {rebuild_jaxcomm(theirs)}"
+    if ours is not None and not theirs:
+        # mpi4py's binary wheel took the first MPI it found; jaxcomm was built for
+        # an MPI installed here.
+        return (
+            f"mpi4py's binary wheel chose that library; jaxcomm was built for the MPI of "
+            f"{ours['mpicc']}. Either build mpi4py against that MPI: "
+            f"{rebuild_mpi4py(ours['mpicc'])}; or {fix_jaxcomm}."
+        )
+    return (
+        f"Either {fix_jaxcomm}; or build mpi4py against an MPI of a family jaxcomm holds "
+        f"(your site's): {rebuild_mpi4py(ours['mpicc'] if ours else '')}."
+    )
 
 
 def build_for(library: Library) -> str:
@@ -135,8 +212,8 @@ def build_for(library: Library) -> str:
     listed = ", ".join(f"{f} ({d['headers']})" for f, d in held.items()) or "none"
     raise MPILibraryMismatchError(
         f"mpi4py loaded the MPI library {library}, and this jaxcomm has no build for the "
-        f"{library.family} ABI: it holds {listed}. Either run with an MPI of a family it "
-        f"holds, or {REBUILD}"
+        f"{library.family} ABI: it holds {listed}. {_ways_out(held)} "
+        "docs/installation.md says more."
     )
 
 
@@ -164,30 +241,101 @@ def load(module: str, library: Library) -> ModuleType | None:
         raise MPILibraryMismatchError(
             f"jaxcomm's {family} build ({path.name}, compiled against "
             f"{builds()[family]['headers']}) does not load with the MPI library {library}: "
-            f"{error}. That library is older than those headers; {REBUILD}"
+            f"{error}. That library is older than those headers; build jaxcomm against "
+            f"it: {rebuild_jaxcomm(mpi4py_mpicc())}."
         ) from error
     sys.modules[name] = extension
     spec.loader.exec_module(extension)
     return extension
 
 
-def include_dirs(library: Library) -> list[str]:
-    """Where the mpi.h of `library`'s family is: the build's own headers while they
-    exist (a source build), else the library's prefix's include/."""
-    recorded = builds().get(library.family, {}).get("include_dirs", [])
-    if any(Path(d, "mpi.h").exists() for d in recorded):
-        return recorded
-    for lib in (Path(library.path), Path(library.path).resolve()):
+class NoHeadersError(RuntimeError):
+    """No mpi.h of the loaded MPI library's family is found for a kernel's build."""
+
+
+#: What an mpi.h of each family defines: told apart without a compiler.
+_HEADER_MARKS = {"openmpi": ("OPEN_MPI",), "mpich": ("MPICH_VERSION", "I_MPI_VERSION")}
+
+
+def _serves(include: Path, family: str) -> bool:
+    """Whether `include` holds an mpi.h of `family` (the MPI-5 ABI's: any)."""
+    try:
+        text = (include / "mpi.h").read_text(errors="replace")
+    except OSError:
+        return False
+    return family not in _HEADER_MARKS or any(m in text for m in _HEADER_MARKS[family])
+
+
+def _existing(dirs: list[str]) -> list[str]:
+    return [d for d in dirs if Path(d).is_dir()]
+
+
+def _pkg_config_includes(pc: Path) -> list[str]:
+    """The include directories a pkg-config file names (Cflags' -I, else includedir)."""
+    variables: dict[str, str] = {}
+
+    def expand(value: str) -> str:
+        return re.sub(r"\$\{(\w+)\}", lambda m: variables.get(m.group(1), ""), value)
+
+    cflags = ""
+    for line in pc.read_text(errors="replace").splitlines():
+        if re.match(r"^\w+=", line):
+            name, _, value = line.partition("=")
+            variables[name] = expand(value.strip())
+        elif line.startswith("Cflags:"):
+            cflags = expand(line.partition(":")[2])
+    found = [t[2:] for t in cflags.split() if t.startswith("-I")]
+    return found or ([variables["includedir"]] if "includedir" in variables else [])
+
+
+def _own_headers(library: Library) -> list[str] | None:
+    """The include directories of the MPI installation `library` belongs to, found
+    beside the library file (or the file it links to)."""
+    for lib in dict.fromkeys((Path(library.path), Path(library.path).resolve())):
         # <prefix>/lib/libmpi.so: <prefix>/include; Debian's libdir/libmpich.so.12:
         # libdir/mpich/include.
         name = lib.name.split(".so")[0].removeprefix("lib")
         for include in (lib.parent.parent / "include", lib.parent / name / "include"):
-            if (include / "mpi.h").exists():
+            if _serves(include, library.family):
                 return [str(include)]
-    raise RuntimeError(
-        f"jaxcomm: no mpi.h found for the MPI library {library}: install its development "
-        "headers, and add their folder (`mpicc -show` shows it) to the include directories"
-    )
+        # Its pkg-config files: Open MPI's ompi-c.pc, MPICH's mpich.pc (Debian's Open
+        # MPI keeps its headers in libdir/openmpi/include, found so).
+        for pc in sorted((lib.parent / "pkgconfig").glob("*mpi*.pc")):
+            dirs = _pkg_config_includes(pc)
+            if any(_serves(Path(d), library.family) for d in dirs):
+                return _existing(dirs)
+    # The wrapper mpi4py was built with, whose MPI it loads (not its binary wheel).
+    mpicc = mpi4py_mpicc()
+    if mpicc:
+        try:
+            shown = subprocess.run([mpicc, "-show"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        dirs = [t[2:] for t in shlex.split(shown.stdout) if t.startswith("-I")]
+        if any(_serves(Path(d), library.family) for d in dirs):
+            return _existing(dirs)
+    return None
+
+
+def include_dirs(library: Library) -> list[str]:
+    """Where a kernel finds the mpi.h of `library`'s family: the headers this jaxcomm
+    was built against, where they outlive its build (a source build against an MPI
+    of this machine), else those of the MPI installation `library` belongs to. Not
+    the headers of the binary wheel's build: they were on the machine that built it."""
+    recorded = builds().get(library.family, {}).get("include_dirs", [])
+    if any(_serves(Path(d), library.family) for d in recorded):
+        return _existing(recorded)
+    found = _own_headers(library)
+    if found is None:
+        debian = {"openmpi": "libopenmpi-dev", "mpich": "libmpich-dev"}.get(library.family)
+        raise NoHeadersError(
+            f"jaxcomm: no mpi.h of the MPI library that mpi4py loads ({library.path}, "
+            f"{library.family} ABI) is found beside it: install that MPI's development "
+            f"headers (a cluster: its module; Debian: {debian or 'its -dev package'}), "
+            "or build mpi4py with that MPI's mpicc (docs/installation.md), whose "
+            "`-show` names them."
+        )
+    return found
 
 
 def started_as_main() -> bool:

@@ -50,13 +50,12 @@ def report(mpi) -> int:
     print("builds in this jaxcomm, one per MPI ABI family:")
     for family, build in held.items():
         print(f"  {family:8} compiled against {build['headers']}")
-    cuda = _binding.cuda_version()
-    print(
-        f"CUDA module: built with the CUDA {cuda} runtime; loads where a JAX CUDA plugin "
-        "is installed"
-        if cuda
-        else "CUDA module: not built"
-    )
+    cuda, missing = _binding.cuda_version(), _binding.cuda_missing()
+    if not cuda:
+        print("CUDA module: not built")
+    else:  # the runtime is linked in: it needs a driver and JAX's plugin, no toolkit
+        here = f"not loaded here: {missing}" if missing else "loads here, for JAX's CUDA backend"
+        print(f"CUDA module: built with the CUDA {cuda} runtime (no toolkit needed); {here}")
     family = None
     try:
         family = _binding.build_for(library)
@@ -77,6 +76,9 @@ def main() -> int:
     group.add_argument("--cflags", action="store_true", help="-I flags")
     group.add_argument("--libs", action="store_true", help="the MPI library")
     args = parser.parse_args()
+    if _binding.not_built():
+        print(_binding.not_built(), file=sys.stderr)
+        return 1
     try:
         mpi = _mpi()
     except ModuleNotFoundError as error:
@@ -92,7 +94,12 @@ def main() -> int:
         return 1
     if not (args.cmake_args or args.cflags or args.libs):
         return report(mpi)
-    found = flags(_binding.loaded_library(mpi))
+    try:
+        found = flags(_binding.loaded_library(mpi))
+    except (OSError, AttributeError, _binding.NoHeadersError) as error:
+        # One line, for a build script's log: never a folder that is not there.
+        print(error, file=sys.stderr)
+        return 1
     if args.cmake_args:
         print(
             f"-DJAXCOMM_INCLUDE_DIRS={';'.join(found['include_dirs'])} "

@@ -3,9 +3,7 @@ its FFI targets."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-from pathlib import Path
 
 import jax
 from mpi4py import MPI  # initialises MPI and loads libmpi before our extension
@@ -42,19 +40,10 @@ def _load():
     return cpu
 
 
-def jax_has_cuda() -> bool:
-    """Whether JAX has a CUDA backend here: its CUDA plugin is installed and an
-    NVIDIA driver is loaded. Found without starting JAX's backends
-    (jax.distributed must come first) and without touching the plugin, which
-    logs that it found no driver on a machine without a GPU."""
-    driver = Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
-    return driver and any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
-
-
 def _load_cuda(cpu):
     """The CUDA handlers, when this package has them (an optional module) and JAX
     can use a GPU; else None, silently."""
-    if not jax_has_cuda():
+    if _binding.cuda_missing():
         return None
     cuda = _binding.load("_jaxcomm_cuda", library)
     if cuda is None:
