@@ -5,7 +5,10 @@ pip installs the small build requirements (scikit-build-core, nanobind, the
 rest: before it fetches jaxlib (for the XLA FFI headers) and CMake, this checks
 for a C++20 compiler and decides the MPI (mpi_choice.py), so that a missing
 compiler or MPI is the first thing the build reports. The MPI choice goes to
-the terminal too: pip shows a build's own output only with ``-v``.
+the terminal too: pip hides all a successful build prints unless run with
+``-v`` (it keeps it in the file of ``--log FILE``), and has no channel for a
+backend's messages (pypa/pip#6634); the terminal shows it even when pip's
+output is piped.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def _tell(message: str) -> None:
         with open("/dev/tty", "w") as terminal:
             terminal.write(message + "\n")
     except OSError:
-        pass  # no terminal (CI, a pipe): the log, and `python -m jaxcomm`, have it
+        pass  # no terminal (CI, a batch job): pip -v, pip --log FILE, `python -m jaxcomm`
 
 
 def _setting(config_settings, name: str) -> str:
