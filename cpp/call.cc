@@ -32,14 +32,6 @@ const Settings& settings() { return current_settings; }
 
 std::atomic<uint64_t> calls{0};
 
-int world_rank() {
-  int rank = -1, initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (initialized && !finalized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
-}
-
 // What the watchdog sees: the call in flight (handlers run one at a time: the
 // ordered effect serialises them) and the last one that completed.
 struct Watch {

@@ -89,6 +89,8 @@ int64_t sole_owner(const std::unordered_map<int64_t, Owed>& owed) {
   return owner;
 }
 
+}  // namespace
+
 int world_rank() {
   int rank = -1, initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
@@ -96,8 +98,6 @@ int world_rank() {
   if (initialized && !finalized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   return rank;
 }
-
-}  // namespace
 
 ffi::Error paired(ffi::Error error) { return mark(std::move(error), Ending::kPaired); }
 

@@ -150,6 +150,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxcomm_settled);
 void* state();
 void share(void* state);
 
+// This process's rank in MPI_COMM_WORLD for messages, or -1 outside MPI's life.
+int world_rank();
+
 }  // namespace jaxcomm
 
 #endif  // JAXCOMM_LOCKSTEP_H_
