@@ -133,7 +133,27 @@ def taking_part(trace: Any, args: Sequence[Any]) -> Sequence[Any]:
     """
     if isinstance(trace, ad.JVPTrace | ad.LinearizeTrace):
         return [_with_tangent(trace, x) for x in args]
+    if isinstance(trace, pe.DynamicJaxprTrace) and not _in_scan_body.depth and _scan_body(trace):
+        return [_tied_to_an_input(trace, x) for x in args]
     return args
+
+
+def _tied_to_an_input(trace: pe.DynamicJaxprTrace, x: Any) -> Any:
+    """x, made to depend on an input of the function `trace` traces (x plus zeros
+    computed from it, which XLA removes).
+
+    Traced in a loop body, an operation whose operands do not change between
+    iterations (a constant sent) may be moved out of the loop by a partial
+    evaluation that does not bind it again (jax.checkpoint's, nested in the
+    body), on the ranks where they do not change only: tied to an input of the
+    body, or of the function nested in it, it stays where it was traced.
+    """
+    aval = core.typeof(x)
+    if not isinstance(aval, core.ShapedArray) or not np.issubdtype(aval.dtype, np.number):
+        return x
+    with core.set_current_trace(trace):
+        zeros = _zeros_tied_to_an_input(trace, aval, jax.lax.stop_gradient)
+        return x if zeros is None else x + zeros
 
 
 def _with_tangent(trace: Any, x: Any) -> Any:
@@ -154,7 +174,9 @@ def _with_tangent(trace: Any, x: Any) -> Any:
     return ad.LinearizeTracer(trace, primal, linear_zeros)
 
 
-def _zeros_tied_to_an_input(trace: Any, aval: core.ShapedArray) -> Any:
+def _zeros_tied_to_an_input(
+    trace: Any, aval: core.ShapedArray, through: Callable[[Any], Any] = lambda x: x
+) -> Any:
     """Zeros of type `aval`, computed linearly (an empty slice, padded) from the
     last floating-point input of the function `trace` traces, or None if it has none:
     a linear function, whose inputs are all tangents, or a forward derivative,
@@ -173,7 +195,7 @@ def _zeros_tied_to_an_input(trace: Any, aval: core.ShapedArray) -> Any:
     floats = [v for v in inputs if isinstance(v.aval, core.ShapedArray) and _inexact(v.aval)]
     if not floats:
         return None
-    source = pe.DynamicJaxprTracer(trace, floats[-1].aval, floats[-1], None)
+    source = through(pe.DynamicJaxprTracer(trace, floats[-1].aval, floats[-1], None))
     empty = jax.lax.slice_in_dim(source.reshape(-1), 0, 0)
     if jax.numpy.iscomplexobj(empty) and not jax.numpy.issubdtype(aval.dtype, np.complexfloating):
         empty = jax.lax.real(empty)

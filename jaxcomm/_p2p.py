@@ -133,7 +133,8 @@ def refuse_derivative_of_reply(operation: str, params: dict, how: str) -> None:
     if params.get("cotangent"):
         raise NotImplementedError(
             f"{operation}: {how} the gradient of a standalone send/recv pair (jacrev, "
-            "or a second derivative taken through the gradient) is not supported: the "
+            "vmap of a gradient, or a second derivative taken through the gradient) is "
+            "not supported: the "
             "sending rank could not take part; use sendrecv, whose two directions "
             "are one operation"
         )

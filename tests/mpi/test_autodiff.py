@@ -332,6 +332,8 @@ def test_derivatives_of_a_send_recv_gradient_are_refused(comm, ring):
         jax.jvp(grad, (x,), (v,))  # forward over reverse
     with pytest.raises(NotImplementedError, match=match):
         jax.jit(jax.jacrev(lambda x: ring(comm, x)))(x)
+    with pytest.raises(NotImplementedError, match=match):
+        jax.vmap(grad)(jnp.stack([x, 2 * x]))
     left, right = shift_peers(comm, True)
     got = comm.sendrecv(jnp.full(3, comm.rank), source=left, dest=right)
     assert_values(got, np.full(3, left, got.dtype))

@@ -204,13 +204,16 @@ def _branches(comm):
 
 # A step whose branch each rank chooses (even ranks send what varies, odd ranks
 # a constant), nested in a loop body as a user may write it: in a cond (traced
-# apart from the body), in a jit (whose rules rebind the operation), and both.
+# apart from the body), in a jit (whose rules rebind the operation), both, and in
+# a checkpoint with the loop under another (remat'd layers in a remat'd step,
+# whose partial evaluation does not bind the operation again).
 CHOSEN: dict[str, Callable] = {
     "cond": lambda comm: lambda c: lax.cond(comm.rank % 2 == 0, *_branches(comm), c),
     "jit": lambda comm: jax.jit(_branches(comm)[comm.rank % 2]),
     "cond_of_jits": lambda comm: (
         lambda c: lax.cond(comm.rank % 2 == 0, *map(jax.jit, _branches(comm)), c)
     ),
+    "checkpoint_in_checkpoint": lambda comm: jax.checkpoint(_branches(comm)[comm.rank % 2]),
 }
 
 
@@ -222,6 +225,9 @@ def test_branches_chosen_by_rank_inside_loops(comm, chosen):
     step = CHOSEN[chosen](comm)
     unrolled_step = _branches(comm)[comm.rank % 2]
 
+    outer = jax.checkpoint if chosen.endswith("in_checkpoint") else lambda f: f
+
+    @outer
     def ours(x):
         return jnp.sum(jnp.sin(scan(step, x)) * (comm.rank + 1.0))
 
