@@ -149,7 +149,10 @@ def _tied_to_an_input(trace: pe.DynamicJaxprTrace, x: Any) -> Any:
     body, or of the function nested in it, it stays where it was traced.
     """
     aval = core.typeof(x)
-    if not isinstance(aval, core.ShapedArray) or not np.issubdtype(aval.dtype, np.number):
+    # jnp's issubdtype: bfloat16 and the float8 types are numbers, not NumPy's.
+    if not isinstance(aval, core.ShapedArray) or not jax.numpy.issubdtype(
+        aval.dtype, jax.numpy.number
+    ):
         return x
     with core.set_current_trace(trace):
         zeros = _zeros_tied_to_an_input(trace, aval, jax.lax.stop_gradient)
