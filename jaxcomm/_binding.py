@@ -138,8 +138,8 @@ def not_built() -> str:
 def builds() -> dict[str, dict]:
     """The builds this package holds: family -> {"headers": ..., "include_dirs": [...],
     "mpicc": ...}."""
-    if not_built():
-        raise ImportError(not_built())
+    if why := not_built():
+        raise ImportError(why)
     from jaxcomm import _build_config
 
     return _build_config.BUILDS

@@ -76,8 +76,8 @@ def main() -> int:
     group.add_argument("--cflags", action="store_true", help="-I flags")
     group.add_argument("--libs", action="store_true", help="the MPI library")
     args = parser.parse_args()
-    if _binding.not_built():
-        print(_binding.not_built(), file=sys.stderr)
+    if why := _binding.not_built():
+        print(why, file=sys.stderr)
         return 1
     try:
         mpi = _mpi()
