@@ -30,10 +30,21 @@ def is_open_mpi(launcher: str) -> bool:
     return "Open MPI" in out or "OpenRTE" in out or "prte" in out.lower()
 
 
-def launch_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+#: MPICH's waits sleeping now and then (docs/performance.md: oversubscription):
+#: otherwise a waiting rank polls on, and with more ranks than cores it takes
+#: the time slices of the rank it waits for. Not on fewer ranks: it slows a
+#: message between ranks on different cores.
+MPICH_SHARING_CORES = {
+    "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1",
+    "MPIR_CVAR_POLLS_BEFORE_YIELD": "100",
+    "MPIR_CVAR_POSIX_POLL_FREQUENCY": "100",
+}
+
+
+def launch_environment(env: dict[str, str] | None = None, nprocs: int = 1) -> dict[str, str]:
     """The environment for mpiexec: oversubscription is allowed and idle ranks
     yield the CPU, so more ranks than cores neither fails nor stalls."""
-    full_env = dict(os.environ, **(env or {}))
+    full_env = dict(os.environ)
     if is_open_mpi(mpiexec()):
         full_env.update(
             OMPI_ALLOW_RUN_AS_ROOT="1",
@@ -41,6 +52,9 @@ def launch_environment(env: dict[str, str] | None = None) -> dict[str, str]:
             OMPI_MCA_mpi_yield_when_idle="1",
             OMPI_MCA_rmaps_base_oversubscribe="1",
         )
+    elif nprocs > len(os.sched_getaffinity(0)):
+        full_env.update(MPICH_SHARING_CORES)
+    full_env.update(env or {})
     # `python -m` would put the working directory (the repository root, holding the
     # uncompiled source tree) first on sys.path; import the installed jaxcomm.
     full_env["PYTHONSAFEPATH"] = "1"
@@ -66,7 +80,7 @@ def run(nprocs: int, args: list[str], timeout: float, env: dict[str, str] | None
     its ranks running. Callers set `timeout` to catch a hang, many times what
     the program takes on a loaded machine; a run of tests uses run_tests."""
     command = launch_command(nprocs, args)
-    full_env = launch_environment(env)
+    full_env = launch_environment(env, nprocs)
     if shutil.which("timeout"):
         command = ["timeout", "-s", "KILL", f"{timeout:g}", *command]
         timeout += 60  # subprocess's own limit, should `timeout` itself hang
@@ -86,7 +100,7 @@ def run_tests(
     rank's name, as does a failed test's report that mpiexec did not forward."""
     with tempfile.TemporaryDirectory() as folder:
         env = {**(env or {}), progress.FOLDER: folder}
-        command, full_env = launch_command(nprocs, args), launch_environment(env)
+        command, full_env = launch_command(nprocs, args), launch_environment(env, nprocs)
         result = run_watched(command, Path(folder), stall, full_env)
         for rank in range(nprocs):
             failure = progress.failure_path(folder, rank)

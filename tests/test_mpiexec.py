@@ -198,7 +198,7 @@ FILES = {
     "checking": "2 3 network asan jax-2 mpi-3",
     "collectives": "1 2 3 eager-jax:eager asan jax-2 mpi-2 mpi-3",
     "comm": "1 2 3 jax-2 mpi-3",
-    "control_flow_derivatives": "1 2 3 jaxcomm-jit jax-2 mpi-3",
+    "control_flow_derivatives": "1 2 3 jaxcomm-jit jax-2 mpi-2",
     "counts": "1 3 asan jax-2",  # validated in jaxcomm, before MPI is called
     "eager": "1 3 jaxcomm-jit jax-2",  # the shortcut differs on 1 rank only
     "errors": "1 2 3 eager-jax:truncated jax-2 mpi-2",  # memory: measured on 2
