@@ -12,6 +12,7 @@ from pathlib import Path
 import progress
 import pytest
 from mpirun import failure_summary, rank_outputs, run, run_tests, run_watched
+from test_mpiexec import ENVIRONMENT
 
 # Each program here takes seconds; a hang (what these tests provoke, where the
 # product fails to end it) is cut at two minutes, many times a loaded machine's time.
@@ -594,6 +595,18 @@ WITHOUT_STDERR_ON_RANK_1 = (
 )
 
 
+# Tests of the test harness itself (mpirun.py, progress.py), which uses no JAX: CI's
+# stage with another JAX leaves them out; the one with another MPI keeps those that
+# go through its launcher, which forwards output and signals its own way.
+through_the_launcher = pytest.mark.skipif(
+    ENVIRONMENT == "another-jax", reason="the test harness uses no JAX"
+)
+harness_alone = pytest.mark.skipif(
+    ENVIRONMENT != "first", reason="the test harness alone: no JAX, no MPI"
+)
+
+
+@through_the_launcher
 def test_a_failed_test_is_named_with_its_rank(tmp_path):
     """A rank whose test fails names it, with pytest's report, and aborts the job;
     the report reaches the launcher through the journal folder even when the
@@ -607,6 +620,7 @@ def test_a_failed_test_is_named_with_its_rank(tmp_path):
     assert "AssertionError: rank 1 fails here" in result.stderr, result.stderr
 
 
+@through_the_launcher
 def test_a_test_past_its_time_limit_is_named_with_every_ranks_stacks(tmp_path):
     """tests/mpi/conftest.py's per-test limit: the rank whose test makes no progress
     writes the test's name, its rank and every thread's stack to mpiexec's stderr,
@@ -627,6 +641,7 @@ def test_a_test_past_its_time_limit_is_named_with_every_ranks_stacks(tmp_path):
     assert re.search(r'stuck_past_the_limit.py", line 19 in test_rank_0', asked), result.stderr
 
 
+@harness_alone
 def test_a_run_of_tests_is_ended_when_it_stops_making_progress(tmp_path):
     """mpirun.run_watched: a program that keeps writing its journal runs past the
     stall limit; once it stops, it writes its stacks when asked and is ended."""

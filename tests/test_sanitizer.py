@@ -34,7 +34,7 @@ def sanitizer_environment(package: Path, logs: Path) -> dict[str, str]:
     preload = [runtime_library("libasan.so"), runtime_library("libstdc++.so")]
     return {
         "LD_PRELOAD": " ".join(preload),
-        "ASAN_OPTIONS": f"detect_leaks=0:log_path={logs}/asan",
+        "ASAN_OPTIONS": f"detect_leaks=0:malloc_context_size=5:log_path={logs}/asan",
         "UBSAN_OPTIONS": f"halt_on_error=1:print_stacktrace=1:log_path={logs}/ubsan",
         "PYTHONPATH": f"{package}{os.pathsep}{HERE}",
     }
