@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from mpirun import failure_summary, run, run_tests, run_watched
-from test_mpiexec import RUNS, pytest_args
+from test_mpiexec import RUNS, pytest_args, suite_environment
 
 HERE = Path(__file__).parent
 RUN = "asan"  # its row in test_mpiexec.RUNS
@@ -85,7 +85,7 @@ def test_mpi_suite_under_address_and_undefined_behaviour_sanitizers(sanitized, t
     args = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--color=no", *pytest_args(RUN)]
     # Unbuffered: a summary printed before a rank hangs at exit still shows.
     ranks = RUNS[RUN].ranks
-    env = {"JAXCOMM_TEST_RANKS": str(ranks), "PYTHONUNBUFFERED": "1", **RUNS[RUN].settings, **env}
+    env = {"PYTHONUNBUFFERED": "1", **suite_environment(RUN), **env}
     result = run_tests(ranks, args, env=env)
     summary, found = reports(tmp_path)
     # On one line beside the test's name, where a shortened log keeps it.

@@ -39,7 +39,7 @@ TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))
 
 from mpirun import failure_summary, run_tests  # noqa: E402
-from test_mpiexec import FILES, NETWORK, RUNS, is_mpich  # noqa: E402
+from test_mpiexec import FILES, NETWORK, RUNS, compile_settings, is_mpich  # noqa: E402
 
 WORK = ROOT / "build" / "mutants"
 
@@ -314,6 +314,7 @@ def launch(package: Path, run: Launch):
         "JAXCOMM_TEST_RANKS": str(run.ranks),
         "PYTHONPATH": f"{package}{os.pathsep}{TESTS}",
         "JAXCOMM_TEST_TIMEOUT": os.environ["JAXCOMM_TEST_TIMEOUT"],
+        **compile_settings(),
         **run.settings,
     }
     return run_tests(run.ranks, args, env=env)
