@@ -19,6 +19,7 @@ for a quicker look.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
 import os
@@ -26,6 +27,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -263,12 +265,31 @@ QUICKER_COMPILES = "--xla_cpu_use_fusion_emitters=false"
 
 @functools.cache
 def compile_settings() -> dict[str, str]:
-    """The XLA_FLAGS of the per-rank suite: this environment's, and
-    QUICKER_COMPILES if this XLA knows it."""
+    """How the per-rank suite compiles: XLA_FLAGS (this environment's, and
+    QUICKER_COMPILES if this XLA knows it), and JAXCOMM_TEST_XLA_CACHE, where the
+    runs of this session keep what they compiled (tests/mpi/conftest.py)."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} {QUICKER_COMPILES}".strip()
     probe = [sys.executable, "-c", "import jax; jax.devices()"]
     known = subprocess.run(probe, env={**os.environ, "XLA_FLAGS": flags}, capture_output=True)
-    return {"XLA_FLAGS": flags} if known.returncode == 0 else {}
+    return {
+        "JAXCOMM_TEST_XLA_CACHE": xla_cache(),
+        **({"XLA_FLAGS": flags} if known.returncode == 0 else {}),
+    }
+
+
+def xla_cache() -> str:
+    """A folder for this session's compiled programs, removed at its end.
+
+    The runs compile many of the same programs: a file on 3 ranks again over the
+    network module, on 2 ranks again under the sanitizers, a mutant's files again
+    with one change. XLA compiles an HLO module the same way every time, and JAX's
+    cache key holds the module, XLA's flags and the jaxlib, so a program taken
+    from the cache is the one the run would have compiled, and it calls the
+    handlers of the jaxcomm this run loaded (a custom call is bound by name when
+    the program is loaded). Per session, not kept: nothing stale outlives it."""
+    folder = tempfile.mkdtemp(prefix="jaxcomm-xla-cache-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def suite_environment(run: str) -> dict[str, str]:

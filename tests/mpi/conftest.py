@@ -15,6 +15,13 @@ from mpi4py import MPI
 jax.config.update("jax_enable_x64", True)
 
 
+# What earlier runs of the suite compiled (test_mpiexec.py's xla_cache), one
+# folder per rank: no rank reads a program while another writes it.
+if cache := os.environ.get("JAXCOMM_TEST_XLA_CACHE"):
+    jax.config.update("jax_compilation_cache_dir", f"{cache}/rank{MPI.COMM_WORLD.rank}")
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
 # A multi-process JAX program (jax_processes.DISTRIBUTED): started before anything
 # asks JAX for its devices.
 if DISTRIBUTED:
