@@ -290,7 +290,22 @@ def test_jvp_and_jacfwd_match_finite_differences(comm, name):
         np.testing.assert_allclose(jacobian[(..., *i)], column, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("name", CASES)
+#: Cases whose second derivatives can be wrong where their first are right: a
+#: replicated result (transposing its transpose does not give the op back, under
+#: the replicated convention), an op whose tangent is not linear (MAX, MIN,
+#: PROD), a message multiplied into x, pvary. The other cases' ops are linear and
+#: per-rank: their second derivatives are their first-order rules composed, which
+#: the first-order tests check op by op.
+SECOND_ORDER = [
+    name
+    for name, (_, replicated) in CASES.items()
+    if replicated
+    or any(op in name for op in ("max", "min", "prod", "pvary"))
+    or name in PAIRS | STANDALONE_PAIRS | {"sendrecv_some_constant"}
+]
+
+
+@pytest.mark.parametrize("name", SECOND_ORDER)
 def test_second_order(comm, name):
     fn = lambda x: CASES[name][0](comm, x)  # noqa: E731
     x = data(comm.rank, comm.size)
