@@ -50,6 +50,7 @@ __all__ = [
     "ordered_call",
     "register_lowering",
     "restart_chain",
+    "spans_processes",
     "taking_part",
     "typed",
     "vary",
@@ -345,7 +346,7 @@ def lower_with_token(
             avals_out=[core.abstract_token, *ctx.avals_out],
         )
         token_out, *results = rule(inner, token, *operands[templates:], **attrs, **lockstep)
-        sharded = _spans_processes(ctx)
+        sharded = spans_processes(ctx)
         _lockstep.emitted(ctx, token_out.owner, marked=marked, awaited=awaited, sharded=sharded)
         _set_comm_token(ctx, token_out)
         return results
@@ -406,7 +407,7 @@ def _placement_refusal(ctx: mlir.LoweringRuleContext) -> str | None:
     return _several_devices(mine) if mine > 1 else None
 
 
-def _spans_processes(ctx: mlir.LoweringRuleContext) -> bool:
+def spans_processes(ctx: mlir.LoweringRuleContext) -> bool:
     """Whether the computation being lowered is the body of shard_map over a mesh
     of several processes' devices (where JAX's own collectives may run)."""
     axis_context = ctx.module_context.axis_context
