@@ -360,6 +360,35 @@ def test_grad_through_every_communicator_equals_psum(communicators, kind, check_
     np.testing.assert_allclose(ours, theirs, rtol=1e-12)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_grad_of_an_invariant_weight_alone_equals_jax(communicators, kind):
+    """Only an invariant w is differentiated; x, which varies along the mesh,
+    reaches jaxcomm's operations as a constant. jaxcomm gives it a zero
+    tangent (so that every rank makes the same calls), typed as x: varying,
+    as JAX's types want its cotangent to be. The gradient is JAX's and NumPy's,
+    for MAX (whose rule counts ties) and PROD (products of the others)."""
+    c = communicators[kind]
+    pairs = [
+        (partial(c.allreduce, op=MPI.MAX), lambda x: lax.pmax(x, "x"), np.max),
+        (partial(c.allreduce, op=MPI.PROD), lambda x: jnp.prod(lax.all_gather(x, "x"), 0), np.prod),
+    ]
+
+    def total(reduce):
+        def per_device(w, x):
+            return jnp.sum(reduce(x) * jnp.sin(w) + w * x).reshape(1)
+
+        body = jax.shard_map(per_device, mesh=MESH, in_specs=(P(), P("x")), out_specs=P("x"))
+        return lambda w, x: body(w, x).sum()
+
+    x = jax.make_array_from_process_local_data(NamedSharding(MESH, P("x")), block(RANK) / 10)
+    everyone = np.stack([block(r) / 10 for r in range(N)])
+    for ours, theirs, numpy in pairs:
+        got, want = (jax.jit(jax.grad(total(f)))(0.7, x) for f in (ours, theirs))
+        expected = N * numpy(everyone, axis=0).sum() * np.cos(0.7) + everyone.sum()
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
 # JAX's collectives and jaxcomm's calls, as a compiled program lists them.
 COMMUNICATION = re.compile(
     r"= (.*?) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(|"

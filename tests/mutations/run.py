@@ -194,6 +194,15 @@ MUTATIONS = [
         "along() at a constant index: each process compiles another program",
     ),
     Mutation(
+        "invariant-zero-tangent",
+        "jaxcomm/_jax_internals.py",
+        "    return vary(zeros, varying(aval))",
+        "    return zeros",
+        ("sharded",),
+        "the zero tangent of a varying operand without one is typed invariant inside "
+        "shard_map: grad with respect to an invariant weight alone fails to trace",
+    ),
+    Mutation(
         "eager-jit-fuse-traced",
         "jaxcomm/_dispatch.py",
         "@partial(jax.jit, static_argnums=(0, 1, 2, 3))",
