@@ -50,6 +50,7 @@ __all__ = [
     "ordered_call",
     "register_lowering",
     "restart_chain",
+    "spans_processes",
     "taking_part",
     "typed",
     "vary",
@@ -183,7 +184,10 @@ def _zeros_tied_to_an_input(
     """Zeros of type `aval`, computed linearly (an empty slice, padded) from the
     last floating-point input of the function `trace` traces, or None if it has none:
     a linear function, whose inputs are all tangents, or a forward derivative,
-    whose tangents follow its primals (ad.jvp_jaxpr).
+    whose tangents follow its primals (ad.jvp_jaxpr). Inside shard_map, the last
+    such input that varies along no mesh axis that aval does not, if any: the
+    zeros are then made to vary as aval does, the type JAX wants of their
+    cotangent.
 
     A linear function is transposed only where it uses its linear inputs: inside a
     jit whose function ignores its differentiated input on this rank (a receive
@@ -198,12 +202,15 @@ def _zeros_tied_to_an_input(
     floats = [v for v in inputs if isinstance(v.aval, core.ShapedArray) and _inexact(v.aval)]
     if not floats:
         return None
-    source = through(pe.DynamicJaxprTracer(trace, floats[-1].aval, floats[-1], None))
+    typed_alike = [v for v in floats if varying(v.aval) <= varying(aval)]
+    chosen = (typed_alike or floats)[-1]
+    source = through(pe.DynamicJaxprTracer(trace, chosen.aval, chosen, None))
     empty = jax.lax.slice_in_dim(source.reshape(-1), 0, 0)
     if jax.numpy.iscomplexobj(empty) and not jax.numpy.issubdtype(aval.dtype, np.complexfloating):
         empty = jax.lax.real(empty)
     empty = jax.lax.convert_element_type(empty, aval.dtype)
-    return jax.lax.pad(empty, np.zeros((), aval.dtype), [(aval.size, 0, 0)]).reshape(aval.shape)
+    zeros = jax.lax.pad(empty, np.zeros((), aval.dtype), [(aval.size, 0, 0)]).reshape(aval.shape)
+    return vary(zeros, varying(aval))
 
 
 def _inexact(aval: core.ShapedArray) -> bool:
@@ -345,7 +352,7 @@ def lower_with_token(
             avals_out=[core.abstract_token, *ctx.avals_out],
         )
         token_out, *results = rule(inner, token, *operands[templates:], **attrs, **lockstep)
-        sharded = _spans_processes(ctx)
+        sharded = spans_processes(ctx)
         _lockstep.emitted(ctx, token_out.owner, marked=marked, awaited=awaited, sharded=sharded)
         _set_comm_token(ctx, token_out)
         return results
@@ -406,7 +413,7 @@ def _placement_refusal(ctx: mlir.LoweringRuleContext) -> str | None:
     return _several_devices(mine) if mine > 1 else None
 
 
-def _spans_processes(ctx: mlir.LoweringRuleContext) -> bool:
+def spans_processes(ctx: mlir.LoweringRuleContext) -> bool:
     """Whether the computation being lowered is the body of shard_map over a mesh
     of several processes' devices (where JAX's own collectives may run)."""
     axis_context = ctx.module_context.axis_context

@@ -29,6 +29,7 @@ from jaxcomm._jax_internals import (
     apply_primitive,
     lower_with_token,
     register_lowering,
+    spans_processes,
     taking_part,
 )
 from jaxcomm._native import PLATFORMS, cpu
@@ -229,7 +230,17 @@ def comm_primitive(
         # collectives in shard_map): one that fails would stop this rank's
         # computation before a call that its peers make, where jaxcomm may not
         # have seen any call of the computation run (jaxcomm._lockstep).
-        if result_is_x is not None and result_is_x(comm=comm, **params):
+        # Inside shard_map over several processes, the result has a buffer of its
+        # own on every rank instead, which the call fills (with x where the result
+        # is x): every process must compile the same program there (see
+        # jaxcomm._sharded), and an alias on some ranks only makes XLA copy x
+        # first there and may order the call after a JAX collective there and
+        # before it elsewhere, where both wait for each other.
+        if (
+            result_is_x is not None
+            and result_is_x(comm=comm, **params)
+            and not spans_processes(ctx)
+        ):
             alias = {0: 0}
         else:
             alias = aliases(*ctx.avals_in, comm=comm, **params) if aliases else None

@@ -83,12 +83,12 @@ def reduce_scatter(x, *, comm: CommInfo, op: ReduceOp):
 # between ties; the tangent of PROD from the product of the other ranks' values.
 
 
-def _product_of_others(rows, index):
+def _product_of_others(rows):
     """prod(rows without row i) for every i, as an array shaped like rows."""
     ones = jnp.ones_like(rows[:1])
     before = jnp.cumprod(jnp.concatenate([ones, rows[:-1]]), axis=0)
     after = jnp.flip(jnp.cumprod(jnp.concatenate([ones, jnp.flip(rows, 0)[:-1]]), axis=0), 0)
-    return (before * after)[index]
+    return before * after
 
 
 def _gathered(x, comm):
@@ -103,7 +103,7 @@ def _allreduce_tangent(x, y, t, *, comm, op):
         hit = x == y
         ties = allreduce(hit.astype(t.dtype), comm=comm, op=ReduceOp.SUM)
         return allreduce(jnp.where(hit, t, 0), comm=comm, op=ReduceOp.SUM) / ties
-    others = _product_of_others(_gathered(x, comm), comm.rank)
+    others = _sharded.own_row(_product_of_others(_gathered(x, comm)), comm)
     return allreduce(others * t, comm=comm, op=ReduceOp.SUM)
 
 
@@ -121,7 +121,7 @@ def _reduce_tangent(x, y, t, *, comm, op, root):
         ties = reduce(hit.astype(t.dtype), comm=comm, op=ReduceOp.SUM, root=root)
         hits = reduce(jnp.where(hit, t, 0), comm=comm, op=ReduceOp.SUM, root=root)
         return _on_root(comm, root, hits / ties, t)
-    others = _product_of_others(_gathered(x, comm), comm.rank)
+    others = _sharded.own_row(_product_of_others(_gathered(x, comm)), comm)
     total = reduce(others * t, comm=comm, op=ReduceOp.SUM, root=root)
     return _on_root(comm, root, total, t)
 
@@ -140,7 +140,7 @@ def _prefix_tangent(x, y, t, *, comm, op, inclusive):
         hit = mine & (xs == y)
         ties = jnp.maximum(hit.sum(0), 1)  # none on exscan's rank 0: zeros
         return jnp.where(hit, ts, 0).sum(0) / ties.astype(t.dtype)
-    return (_product_of_others(jnp.where(mine, xs, 1), slice(None)) * ts).sum(0)
+    return (_product_of_others(jnp.where(mine, xs, 1)) * ts).sum(0)
 
 
 def _reduce_scatter_tangent(x, y, t, *, comm, op):

@@ -28,10 +28,14 @@ value per device, and its transpose is the exact adjoint, which sums every
 device's cotangent, as JAX's transposes of its varying collectives do.
 
 JAX pairs its own collectives across processes by their place in the compiled
-program, so beside them every process must compile the same one. Inside
-shard_map the rules therefore keep rank-dependent constants from XLA's folding
-(jaxcomm._rules.same_program), and an operation whose result is x on some
-ranks (bcast's root) takes it from the MPI call there too.
+program, so beside them every process must compile the same one: XLA orders
+jaxcomm's calls against JAX's collectives (the token orders them only among
+themselves), alike on every process only if the programs are alike. Inside
+shard_map the rules therefore keep rank-dependent values from XLA's folding
+(jaxcomm._rules.same_program, own_row), and over several processes every
+rank's call has the same buffers: an operation whose result is x on some ranks
+(bcast's root) gets a result of its own there too, which the call fills
+(jaxcomm._primitive).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from jaxcomm._jax_internals import (
     vary,
     varying,
 )
+from jaxcomm._rules import same_program
 
 
 class Span(NamedTuple):
@@ -129,14 +134,19 @@ def one_value(comm: Any, operation: str) -> bool:
 
 
 def own_row(x: Any, comm: Any) -> Any:
-    """Row `comm.rank` of x (shape (size, ...)). Inside shard_map, with a
-    communicator made by along(), the row is chosen by lax.axis_index of its
-    axes rather than by this process's rank: every process then compiles the
-    same program, as JAX needs where the program also holds its own collectives
-    (a constant index lets one process's compiler drop what another's keeps)."""
-    if in_shard_map() and comm.span is not None:
-        return lax.dynamic_index_in_dim(x, lax.axis_index(comm.span.axes), keepdims=False)
-    return x[comm.rank]
+    """Row `comm.rank` of x (shape (size, ...)). Inside shard_map the index is
+    no constant of the program: lax.axis_index of its axes for a communicator
+    made by along(), else the rank through same_program. Every process then
+    compiles the same program, as JAX needs where the program also holds its
+    own collectives (a constant index lets one process's compiler drop what
+    another's keeps)."""
+    if not in_shard_map():
+        return x[comm.rank]
+    if comm.span is not None:
+        index = lax.axis_index(comm.span.axes)
+    else:
+        index = same_program(np.int32(comm.rank))
+    return lax.dynamic_index_in_dim(x, index, keepdims=False)
 
 
 def type_results(

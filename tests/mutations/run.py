@@ -175,6 +175,34 @@ MUTATIONS = [
         "a rank's rows in allgatherv's cotangent start after its own count",
     ),
     Mutation(
+        "result-is-x-in-shard-map",
+        "jaxcomm/_primitive.py",
+        "            and not spans_processes(ctx)\n        ):",
+        "        ):",
+        ("sharded",),
+        "inside shard_map over processes, bcast's root (reduce's other ranks) returns x in "
+        "x's buffer, the others a buffer of their own: the programs differ, and XLA runs "
+        "JAX's psum before the call on some processes only (a hang)",
+    ),
+    Mutation(
+        "row-by-constant-rank",
+        "jaxcomm/_sharded.py",
+        "        index = same_program(np.int32(comm.rank))",
+        "        return x[comm.rank]",
+        ("sharded",),
+        "inside shard_map, a transpose takes its own row of a communicator not made by "
+        "along() at a constant index: each process compiles another program",
+    ),
+    Mutation(
+        "invariant-zero-tangent",
+        "jaxcomm/_jax_internals.py",
+        "    return vary(zeros, varying(aval))",
+        "    return zeros",
+        ("sharded",),
+        "the zero tangent of a varying operand without one is typed invariant inside "
+        "shard_map: grad with respect to an invariant weight alone fails to trace",
+    ),
+    Mutation(
         "eager-jit-fuse-traced",
         "jaxcomm/_dispatch.py",
         "@partial(jax.jit, static_argnums=(0, 1, 2, 3))",
