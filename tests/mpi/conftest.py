@@ -16,8 +16,10 @@ jax.config.update("jax_enable_x64", True)
 
 
 # What earlier runs of the suite compiled (test_mpiexec.py's xla_cache), one
-# folder per rank: no rank reads a program while another writes it.
-if cache := os.environ.get("JAXCOMM_TEST_XLA_CACHE"):
+# folder per rank: no rank reads a program while another writes it. Not in a
+# jax.distributed program: JAX 0.10's XLA crashes (SIGSEGV) serialising a
+# program compiled for several processes.
+if (cache := os.environ.get("JAXCOMM_TEST_XLA_CACHE")) and not DISTRIBUTED:
     jax.config.update("jax_compilation_cache_dir", f"{cache}/rank{MPI.COMM_WORLD.rank}")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
