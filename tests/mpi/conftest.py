@@ -7,6 +7,7 @@ import time
 import jax
 import progress
 import pytest
+import shared_compiles
 from graph_edges import GRAPHS, lists
 from jax_processes import DISTRIBUTED, start_jax_distributed
 from mpi4py import MPI
@@ -15,14 +16,12 @@ from mpi4py import MPI
 jax.config.update("jax_enable_x64", True)
 
 
-# What earlier runs of the suite compiled (test_mpiexec.py's xla_cache), one
-# folder per rank: no rank reads a program while another writes it. Not in a
-# jax.distributed program: JAX 0.10's XLA crashes (SIGSEGV) serialising a
-# program compiled for several processes.
+# What this run's ranks and the session's earlier runs compiled
+# (test_mpiexec.py's xla_cache; shared_compiles.py). Not in a jax.distributed
+# program: JAX 0.10's XLA crashes (SIGSEGV) serialising a program compiled for
+# several processes.
 if (cache := os.environ.get("JAXCOMM_TEST_XLA_CACHE")) and not DISTRIBUTED:
-    jax.config.update("jax_compilation_cache_dir", f"{cache}/rank{MPI.COMM_WORLD.rank}")
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    shared_compiles.start(cache, MPI.COMM_WORLD.rank)
 
 # A multi-process JAX program (jax_processes.DISTRIBUTED): started before anything
 # asks JAX for its devices.
