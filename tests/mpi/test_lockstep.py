@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import re
 import threading
 import time
 
@@ -598,3 +599,38 @@ def test_computations_that_end_normally_leave_the_rank_in_step(comm, jit):
             jax.block_until_ready(JITS[jit](step)(x))
             assert _native.cpu.out_of_step() is None, name
             check_in_step(comm)
+
+
+def owing_in_order(text: str) -> list[tuple[str, int]]:
+    """(target, owing) of each jaxcomm custom call of the entry function of a
+    lowered program's text, in order."""
+    main = text[text.index("func.func public @main") :]
+    main = main[: main.index("\n  }\n")]
+    return [
+        (target, int(owing))
+        for target, owing in re.findall(
+            r"custom_call @jaxcomm_(\w+)\(.*?mhlo\.backend_config = \{[^}]*owing = (\d+)", main
+        )
+    ]
+
+
+def test_a_loop_that_a_call_follows_still_owes_it(comm):
+    """Where a call that peers wait for follows a loop, the call that settles
+    after the loop owes it instead, in the program that runs (jaxcomm sets that
+    when it emits the later call): a host callback that XLA runs after that
+    call and before the later one stops a computation that still owes. Which
+    of the two runs first is XLA's choice, so a stop there cannot show it
+    reliably; the lowered program does. On one rank nothing is owed."""
+
+    def step(x):
+        looped = jax.lax.fori_loop(0, 2, lambda _, c: comm.allreduce(c) * 0.5, x)
+        return comm.allreduce(looped)
+
+    x = jnp.ones(2, jnp.float32)
+    lowered = jax.jit(step).lower(x).as_text()
+    owes, settles = (1, 2) if comm.size > 1 else (2, 2)
+    # jaxcomm_entered always owes: inside the loop nothing says what is owed.
+    want = [("entered", 1), ("settled", owes), ("allreduce", settles)]
+    assert owing_in_order(lowered) == want, lowered
+    np.testing.assert_array_equal(jax.jit(step)(x), np.full(2, comm.size**3 / 4, np.float32))
+    check_in_step(comm)
