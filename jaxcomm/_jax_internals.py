@@ -480,6 +480,8 @@ def _emitted_in_place(emit: Callable[..., Any]) -> Callable[..., Any]:
     return lower
 
 
+# jaxpr_subcomp looks each of these up in mlir's namespace when it lowers an
+# equation (as JAX 0.10 does; jaxcomm pins the JAX it supports).
 mlir._uncached_lowering = _lowered_in_place(mlir._uncached_lowering)
 mlir._cached_lowering_miss = _cached_unless_ours(mlir._cached_lowering_miss)
 mlir._emit_cached_call = _emitted_in_place(mlir._emit_cached_call)

@@ -17,7 +17,8 @@ gives every jaxcomm custom call three attributes:
   the same module is emitted that a peer waits for, or at once where such calls
   emitted earlier may follow it at run time: in a loop's body, and anywhere in
   a module that has jaxcomm calls in a function other than its entry (a nested
-  jit, jax.checkpoint), which may be called again after any other call. No peer
+  jit; a loop's body, as JAX lowers it), which may be called again after any
+  other call. No peer
   waits for a wait or a test (they complete a request of this rank; a request
   whose wait is skipped is left to MPI to complete) or for an operation on a
   communicator of this rank alone.
@@ -34,7 +35,10 @@ gives every jaxcomm custom call three attributes:
   settles as a call there would (neither communicates). So each place gets its
   own attributes, JAX's lowering cache, which would lower an equation once and
   copy it to each place it is used, is bypassed for equations with jaxcomm's
-  effect (jaxcomm._jax_internals).
+  effect (jaxcomm._jax_internals). Inside shard_map over several processes a
+  rank that goes out of step ends the job (`emitted`); a shard_map that lies
+  in a loop, a conditional or a nested function outside shard_map is not
+  bracketed, where XLA partitions the op around it: its calls owe nothing.
 
 A call that JAX refuses to run, because a computation it is ordered after
 failed, never runs either: jaxcomm's own dispatch notes it here (`refused`).
