@@ -134,15 +134,16 @@ def region(ctx: mlir.LoweringRuleContext, *, shard_map: bool, placeable: bool) -
 @contextlib.contextmanager
 def within(ctx: mlir.LoweringRuleContext, how: str | None) -> Iterator[None]:
     """While an equation that `region` placed is lowered."""
-    state = _state(ctx.module_context.module)
     if how is None:
         yield
         return
-    state.regions.append(how)
+    # The list of this module: lowering another module meanwhile starts a new one.
+    regions = _state(ctx.module_context.module).regions
+    regions.append(how)
     try:
         yield
     finally:
-        state.regions.pop()
+        regions.pop()
 
 
 def emitted(
