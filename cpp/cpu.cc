@@ -31,15 +31,15 @@ namespace {
 // run (lockstep.h). When it fails, its computation ends before the waits of the
 // requests it posted (requests.h, abandon_compiled), and this rank may go out of
 // step: `last` says that no jaxcomm operation follows it in its computation.
-// Once it has run, its computation owes the operations that follow, where
-// jaxcomm sees where the computation ends (`tracked`; jaxcomm/_lockstep.py).
+// Once it has run, its computation owes the operations that follow, or owes
+// nothing more, as `owing` says (lockstep.h, Owing; jaxcomm/_lockstep.py).
 template <auto Function>
 struct Compiled;
 
 template <typename... Args, ffi::Error (*Function)(Args...)>
 struct Compiled<Function> {
   static ffi::Error Run(ffi::RunId run, Args... args, bool last, ffi::Span<const int64_t> comms,
-                        bool tracked) {
+                        int32_t owing) {
     constexpr std::string_view operation = kOperationName<Function>;
     if (!may_run(run.run_id, comms)) return refusal(operation);
     Entered entered(operation);
@@ -48,11 +48,11 @@ struct Compiled<Function> {
     ffi::Error error = Function(std::move(args)...);
     if (error.failure()) {
       // In step, the peers skip the rest of the computation too: it owes nothing.
-      if (failed(operation, error, last, on_python_thread()) && tracked)
+      if (failed(operation, error, last, on_python_thread()))
         ran(run.run_id, comms, /*last=*/true, operation);
       mpi::abandon_compiled(run.run_id);
-    } else if (tracked) {
-      ran(run.run_id, comms, last, operation);
+    } else if (owing != kInside) {
+      ran(run.run_id, comms, owing == kSettles, operation);
     }
     return error;
   }
@@ -103,6 +103,7 @@ NB_MODULE(_jaxcomm_cpu, m) {
     JAXCOMM_REGISTER(test, _)
     targets["jaxcomm_in_step"] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_in_step));
     targets["jaxcomm_settled"] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_settled));
+    targets["jaxcomm_entered"] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_entered));
 #undef JAXCOMM_REGISTER
     return targets;
   });

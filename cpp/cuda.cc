@@ -304,17 +304,17 @@ struct Staged<Function> {
   // Refuses to run as the CPU handlers do; a failure may put this rank out of
   // step (lockstep.h; the attributes as for the CPU handlers, cpu.cc).
   static ffi::Error Run(cudaStream_t stream, ffi::RunId run, Args... args, bool last,
-                        ffi::Span<const int64_t> comms, bool tracked) {
+                        ffi::Span<const int64_t> comms, int32_t owing) {
     constexpr std::string_view operation = kOperationName<Function>;
     if (!may_run(run.run_id, comms)) return refusal(operation);
     Entered entered(operation);
     ffi::Error error = Stage(stream, args...);
     if (error.failure()) {
       // In step, the peers skip the rest of the computation too: it owes nothing.
-      if (failed(operation, error, last, on_python_thread()) && tracked)
+      if (failed(operation, error, last, on_python_thread()))
         ran(run.run_id, comms, /*last=*/true, operation);
-    } else if (tracked) {
-      ran(run.run_id, comms, last, operation);
+    } else if (owing != kInside) {
+      ran(run.run_id, comms, owing == kSettles, operation);
     }
     return error;
   }
@@ -358,6 +358,7 @@ NB_MODULE(_jaxcomm_cuda, m) {
 #undef JAXCOMM_REGISTER
     targets["jaxcomm_in_step"] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_in_step));
     targets["jaxcomm_settled"] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_settled));
+    targets["jaxcomm_entered"] = nb::capsule(reinterpret_cast<void*>(jaxcomm::jaxcomm_entered));
     return targets;
   });
   // This module has its own copy of call.cc's state: jaxcomm._native configures

@@ -271,15 +271,30 @@ void resume() {
 
 namespace {
 ffi::Error InStep(ffi::RunId run, ffi::Token, ffi::Result<ffi::Token>, std::string_view kernel,
-                  bool last, ffi::Span<const int64_t> comms, bool tracked) {
+                  bool last, ffi::Span<const int64_t> comms, int32_t owing) {
   if (!may_run(run.run_id, comms)) return refusal(kernel);
-  if (tracked) ran(run.run_id, comms, last, "custom kernel");
+  if (owing != kInside) ran(run.run_id, comms, owing == kSettles, "custom kernel");
   return ffi::Error::Success();
 }
 
 ffi::Error Settled(ffi::RunId run, ffi::Token, ffi::Result<ffi::Token>, bool last,
-                   ffi::Span<const int64_t> comms, bool tracked) {
-  if (tracked) ran(run.run_id, comms, last, "jaxcomm");
+                   ffi::Span<const int64_t> comms, int32_t owing) {
+  if (owing != kInside) ran(run.run_id, comms, owing == kSettles, "jaxcomm");
+  return ffi::Error::Success();
+}
+
+// What a computation stopped after, where it stopped inside (or before the
+// first operation of) a loop, a conditional or a nested function.
+constexpr std::string_view kRegion =
+    "entry into a loop, conditional or nested function with jaxcomm operations";
+
+ffi::Error EnteredRegion(ffi::RunId run, ffi::Token, ffi::Result<ffi::Token>, bool last,
+                         ffi::Span<const int64_t> comms, int32_t owing) {
+  // Out of step (or put out of step now by what an earlier computation owes),
+  // the operations inside refuse to run, each under its own name; one that
+  // does not run refuses nothing. Else the computation owes them from now on,
+  // whatever `owing` says: they say nothing of their own.
+  if (may_run(run.run_id, comms)) ran(run.run_id, comms, /*last=*/false, kRegion);
   return ffi::Error::Success();
 }
 }  // namespace
@@ -292,7 +307,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_in_step, InStep,
                                   .Attr<std::string_view>("kernel")
                                   .Attr<bool>("last")
                                   .Attr<ffi::Span<const int64_t>>("comms")
-                                  .Attr<bool>("tracked"));
+                                  .Attr<int32_t>("owing"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_settled, Settled,
                               ffi::Ffi::Bind()
@@ -301,7 +316,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_settled, Settled,
                                   .Ret<ffi::Token>()
                                   .Attr<bool>("last")
                                   .Attr<ffi::Span<const int64_t>>("comms")
-                                  .Attr<bool>("tracked"));
+                                  .Attr<int32_t>("owing"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_entered, EnteredRegion,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::Token>()
+                                  .Ret<ffi::Token>()
+                                  .Attr<bool>("last")
+                                  .Attr<ffi::Span<const int64_t>>("comms")
+                                  .Attr<int32_t>("owing"));
 
 bool on_python_thread() { return PyGILState_GetThisThreadState() != nullptr; }
 

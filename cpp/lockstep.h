@@ -21,8 +21,10 @@
 // computation that has later ones owes them on the communicators that its
 // computation uses, until an operation that no other follows (`last`) has run:
 // an operation of another computation, or an eager call, on one of them finds
-// them owed, and this rank goes out of step then. The lowering says which
-// computations jaxcomm sees the end of (jaxcomm/_lockstep.py, `tracked`).
+// them owed, and this rank goes out of step then. The lowering says what each
+// operation leaves owed (jaxcomm/_lockstep.py, `owing`): where operations lie
+// in a loop, a conditional or a nested function, the calls `jaxcomm_entered`
+// before it and `jaxcomm_settled` after it own up for them.
 #ifndef JAXCOMM_LOCKSTEP_H_
 #define JAXCOMM_LOCKSTEP_H_
 
@@ -100,13 +102,18 @@ void end_job_when_out_of_step();
 // Writes `message` to stderr and ends the job (MPI_Abort), after a pause that
 // lets the launcher forward the message.
 [[noreturn]] void end_job(const std::string& message);
+// What an operation that has run leaves its computation owing (the attribute
+// `owing`): nothing of its own, where it lies in a loop, a conditional or a
+// nested function, whose jaxcomm_entered and jaxcomm_settled calls say it;
+// the later operations, on `comms`; or nothing more, where none follows.
+enum Owing : int32_t { kInside = 0, kOwes = 1, kSettles = 2 };
+
 // The attributes that every jaxcomm handler takes after its operation's own
 // (jaxcomm/_lockstep.py gives them): `last`, no jaxcomm operation that a peer
 // waits for follows it in its computation; `comms`, the communicators of its
-// computation's operations that peers wait for; `tracked`, whether what its
-// computation owes is tracked (may_run, ran).
+// computation's operations that peers wait for; `owing` (Owing: ran).
 #define JAXCOMM_BIND_LOCKSTEP_ATTRIBUTES \
-  .Attr<bool>("last").Attr<ffi::Span<const int64_t>>("comms").Attr<bool>("tracked")
+  .Attr<bool>("last").Attr<ffi::Span<const int64_t>>("comms").Attr<int32_t>("owing")
 
 // Whether this rank is in step. Every wrapper asks first, before the operation
 // starts, and if not returns the error that refuses `operation`.
@@ -139,10 +146,14 @@ bool on_python_thread();
 // token: refuses it while this rank is out of step, or as may_run does; the
 // kernel then owes its peers what ran() says.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxcomm_in_step);
-// token -> token, after a user's kernel, after a loop or a conditional whose body
-// has jaxcomm operations, and at the end of a jaxcomm.jit computation: what the
-// computation owes once they are done (ran()).
+// token -> token, after a user's kernel, and after a loop, a conditional or a
+// nested function that has jaxcomm operations: what the computation owes once
+// they are done (ran()).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxcomm_settled);
+// token -> token, before such a loop, conditional or nested function: refuses it
+// as may_run does; from then on the computation owes its operations (which
+// XLA may run any number of times, or none), until the jaxcomm_settled after it.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxcomm_entered);
 
 // The state shared by every jaxcomm module of the process (the CPU and CUDA
 // extensions each link their own copy of this code): `share(state())` of one

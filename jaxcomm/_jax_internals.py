@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import config, core, dispatch, effects, sharding_impls
+from jax._src import config, core, dispatch, effects, sharding_impls, source_info_util
 from jax._src.array import ArrayImpl
 from jax._src.core import ManualAxisType
 from jax._src.interpreters import ad, mlir, pxla
@@ -329,6 +329,7 @@ def lower_with_token(
     templates: int = 0,
     marked: bool = True,
     awaited: int | None = None,
+    owes: bool = False,
 ) -> Callable[..., Sequence[Any]]:
     """A lowering rule that calls FFI `target` as (token, *operands) -> (token, *results).
 
@@ -337,7 +338,8 @@ def lower_with_token(
     not passed (they gave only the results' types). `marked`: the target takes
     the attributes of jaxcomm._lockstep (``last``...), as jaxcomm's own handlers
     do; `awaited`: the key of the communicator on which a peer may wait for the
-    call, None if none may (both as jaxcomm._lockstep.emitted says).
+    call, None if none may; `owes`: the call owes whatever follows (the three as
+    jaxcomm._lockstep.emitted says).
     """
     shifted = None if not aliases else {i + 1: o + 1 for i, o in aliases.items()}
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True, operand_output_aliases=shifted)
@@ -353,15 +355,136 @@ def lower_with_token(
         )
         token_out, *results = rule(inner, token, *operands[templates:], **attrs, **lockstep)
         sharded = spans_processes(ctx)
-        _lockstep.emitted(ctx, token_out.owner, marked=marked, awaited=awaited, sharded=sharded)
+        _lockstep.emitted(
+            ctx, token_out.owner, marked=marked, awaited=awaited, sharded=sharded, owes=owes
+        )
         _set_comm_token(ctx, token_out)
         return results
 
     return lowering
 
 
-# jaxcomm._lockstep's settling call on a token alone: token -> token.
+# jaxcomm._lockstep's calls around a loop, a conditional or a nested function,
+# on a token alone: token -> token.
+_enter = lower_with_token(_lockstep.ENTERED, owes=True)
 _settle = lower_with_token(_lockstep.SETTLED)
+
+
+# ---------------------------------------------------------------------------
+# Loops, conditionals and nested functions that hold jaxcomm calls.
+#
+# JAX lowers every equation through mlir._uncached_lowering: in place where its
+# primitive is not cacheable, else into a function that it lowers once and then
+# copies (inlines) or calls at each place the same equation appears. jaxcomm
+# gives each call attributes that depend on its place and that later calls
+# change (jaxcomm._lockstep), so an equation with jaxcomm's effect is lowered
+# in place, as an uncacheable one is; and the outermost such equation of the
+# entry function that holds functions (a loop, a conditional, a nested jit,
+# jax.checkpoint, a custom derivative) is bracketed by jaxcomm._lockstep's
+# jaxcomm_entered and jaxcomm_settled calls. shard_map's body counts as the
+# entry function. Other equations are lowered as JAX does.
+
+_in_place = object()  # what _cached_lowering_miss returns for an equation lowered in place
+
+
+def _lowered_in_place(uncached: Callable[..., Any]) -> Callable[..., Any]:
+    """mlir._uncached_lowering, bracketing the outermost equation that holds
+    functions with jaxcomm calls."""
+
+    def lower(primitive, eqn_ctx, effects_, platform_rules, default_rule, ctx, *args, **params):
+        if COMM_EFFECT not in effects_ or next(core.jaxprs_in_params(params), None) is None:
+            return uncached(
+                primitive, eqn_ctx, effects_, platform_rules, default_rule, ctx, *args, **params
+            )
+        how = _lockstep.region(
+            ctx,
+            shard_map=primitive.name == "shard_map",
+            placeable=_placement_refusal(ctx) is None,
+        )
+        if how != _lockstep.BRACKETED:
+            with _lockstep.within(ctx, how):
+                return uncached(
+                    primitive,
+                    eqn_ctx,
+                    effects_,
+                    platform_rules,
+                    default_rule,
+                    ctx,
+                    *args,
+                    **params,
+                )
+        before = ctx.replace(avals_in=[], avals_out=[], tokens_out=None)
+        _enter(before)
+        inner = ctx.replace(tokens_in=before.tokens_out, tokens_out=None)
+        with _lockstep.within(ctx, how):
+            results = uncached(
+                primitive, eqn_ctx, effects_, platform_rules, default_rule, inner, *args, **params
+            )
+        after = inner.replace(
+            avals_in=[], avals_out=[], tokens_in=inner.tokens_out, tokens_out=None
+        )
+        _settle(after)
+        ctx.set_tokens_out(after.tokens_out)
+        return results
+
+    return lower
+
+
+def _cached_unless_ours(miss: Callable[..., Any]) -> Callable[..., Any]:
+    """mlir._cached_lowering_miss, but for an equation with jaxcomm's effect, which
+    is lowered in place (`_emitted_in_place`) and not cached."""
+
+    def lower(ctx, eqn, cache_key, avals_in, **params):
+        if COMM_EFFECT in eqn.effects:
+            return _in_place
+        return miss(ctx, eqn, cache_key, avals_in, **params)
+
+    return lower
+
+
+def _emitted_in_place(emit: Callable[..., Any]) -> Callable[..., Any]:
+    """mlir._emit_cached_call, lowering in place an equation that
+    `_cached_unless_ours` did not cache, as JAX lowers an uncacheable one."""
+
+    def lower(ctx, eqn, tokens_in, dim_var_values, const_lowering, cache_entry, *args):
+        if cache_entry is not _in_place:
+            return emit(ctx, eqn, tokens_in, dim_var_values, const_lowering, cache_entry, *args)
+        rule_ctx = mlir.LoweringRuleContext(
+            module_context=ctx,
+            primitive=eqn.primitive,
+            name_stack=source_info_util.new_name_stack() + eqn.source_info.name_stack,
+            traceback=eqn.source_info.traceback,
+            avals_in=tuple(v.aval for v in eqn.invars),
+            avals_out=tuple(v.aval for v in eqn.outvars),
+            # The tokens of its own ordered effects, as a cached lowering gets them.
+            tokens_in=tokens_in.subset(list(effects.ordered_effects.filter_in(eqn.effects))),
+            tokens_out=None,
+            jaxpr_eqn_ctx=eqn.ctx,
+            dim_var_values=dim_var_values,
+            const_lowering=const_lowering,
+        )
+        platform_rules, default_rule, _ = mlir._get_lowering_rules(ctx, eqn.primitive, eqn.ctx)
+        with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
+            results = mlir._uncached_lowering(
+                eqn.primitive,
+                eqn.ctx,
+                eqn.effects,
+                platform_rules,
+                default_rule,
+                rule_ctx,
+                *args,
+                **eqn.params,
+            )
+        return results, tokens_in.update_tokens(rule_ctx.tokens_out)
+
+    return lower
+
+
+# jaxpr_subcomp looks each of these up in mlir's namespace when it lowers an
+# equation (as JAX 0.10 does; jaxcomm pins the JAX it supports).
+mlir._uncached_lowering = _lowered_in_place(mlir._uncached_lowering)
+mlir._cached_lowering_miss = _cached_unless_ours(mlir._cached_lowering_miss)
+mlir._emit_cached_call = _emitted_in_place(mlir._emit_cached_call)
 
 
 def _placement_refusal(ctx: mlir.LoweringRuleContext) -> str | None:
@@ -479,7 +602,6 @@ def _ordered_call_lowering(ctx: mlir.LoweringRuleContext, marker: Any, *args: An
             f"jaxcomm.jit runs on CPU devices only (this computation is for "
             f"{', '.join(platforms)}); use jax.jit for it"
         )
-    _lockstep.ordered_call(ctx)
     # The first token depends on the marker: nothing of jaxcomm in this call runs
     # before the call that made the marker has finished.
     first = hlo.OptimizationBarrierOp([hlo.create_token(), marker]).results[0]
@@ -490,18 +612,11 @@ def _ordered_call_lowering(ctx: mlir.LoweringRuleContext, marker: Any, *args: An
         tokens_in=mlir.TokenSet({**tokens, COMM_EFFECT: first}),
     )
     results = mlir.lower_fun(core.jaxpr_as_fun(jaxpr), multiple_results=True)(inner, *args)
-    # The end of the computation, which jaxcomm thus sees (jaxcomm._lockstep).
-    end = inner.replace(avals_in=[], avals_out=[], tokens_in=inner.tokens_out, tokens_out=None)
-    if _lockstep.unsettled(ctx):
-        _settle(end)
-        _lockstep.ends(ctx)
-    else:
-        end.set_tokens_out(inner.tokens_out)
-    last = end.tokens_out.get(COMM_EFFECT)
+    last = inner.tokens_out.get(COMM_EFFECT)
     # The new marker is the old one, after the last token: an output of this call,
     # so it is ready only when the call has finished.
     done = hlo.OptimizationBarrierOp([last, marker]).results[1]
-    ctx.set_tokens_out(end.tokens_out.subset(list(tokens)))
+    ctx.set_tokens_out(inner.tokens_out.subset(list(tokens)))
     return [done, *results]
 
 

@@ -16,20 +16,29 @@ gives every jaxcomm custom call three attributes:
 - ``last``: true when it is emitted, made false when a later jaxcomm call of
   the same module is emitted that a peer waits for, or at once where such calls
   emitted earlier may follow it at run time: in a loop's body, and anywhere in
-  a module that has jaxcomm calls in a function other than its entry (the body
-  of a loop, a branch of lax.cond, a nested jit, jax.checkpoint), which may be
-  called again after any other call. No peer waits for a wait or a test (they
-  complete a request of this rank; a request whose wait is skipped is left to
-  MPI to complete) or for an operation on a communicator of this rank alone.
+  a module that has jaxcomm calls in a function other than its entry (a nested
+  jit; a loop's body, as JAX lowers it), which may be called again after any
+  other call. No peer
+  waits for a wait or a test (they complete a request of this rank; a request
+  whose wait is skipped is left to MPI to complete) or for an operation on a
+  communicator of this rank alone.
 - ``comms``: the keys of the module's communicators that peers wait on.
-- ``tracked``: whether jaxcomm sees where the computation's jaxcomm calls end,
-  so that what a call owes is settled by a later one that is ``last``: where
-  they all lie in the entry function outside loops (as emitted, so they run),
-  and in a jaxcomm.jit computation, which then ends with a *settling* call
-  (jaxcomm_settled, which communicates nothing) where its calls lie elsewhere.
-  Elsewhere the function holding a call may run again after the last one (a
-  loop's body), or JAX lowers it before the op that calls it and may call it
-  from more than one place, and there is no place to settle.
+- ``owing``: what the computation owes once the call has run (cpp/lockstep.h,
+  Owing). A call in the entry function (or in the body of a shard_map there)
+  *owes* the later calls where one that a peer waits for follows it, else it
+  *settles* what the computation owed. A call inside a loop, a conditional or
+  a nested function owes nothing of its own (*inside*): it may run any number
+  of times, or none, and JAX lowers a function once for every place that calls
+  it. The outermost such op of the entry function that holds jaxcomm calls is
+  bracketed instead (`region`): a call ``jaxcomm_entered`` before it, which
+  owes, and a *settling* call ``jaxcomm_settled`` after it, which owes or
+  settles as a call there would (neither communicates). So each place gets its
+  own attributes, JAX's lowering cache, which would lower an equation once and
+  copy it to each place it is used, is bypassed for equations with jaxcomm's
+  effect (jaxcomm._jax_internals). Inside shard_map over several processes a
+  rank that goes out of step ends the job (`emitted`); a shard_map that lies
+  in a loop, a conditional or a nested function outside shard_map is not
+  bracketed, where XLA partitions the op around it: its calls owe nothing.
 
 A call that JAX refuses to run, because a computation it is ordered after
 failed, never runs either: jaxcomm's own dispatch notes it here (`refused`).
@@ -39,11 +48,12 @@ for it forever (`abort_if_out_of_step`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -53,11 +63,13 @@ from mpi4py import MPI
 
 from jaxcomm._native import cpu
 
-# The attributes' names, as cpp/lockstep.h binds them.
-LAST, COMMS, TRACKED = "last", "comms", "tracked"
+# The attributes' names, as cpp/lockstep.h binds them, and `owing`'s values (Owing).
+LAST, COMMS, OWING = "last", "comms", "owing"
+INSIDE, OWES, SETTLES = 0, 1, 2
 _CONFIG = "mhlo.backend_config"  # where ffi_lowering puts a custom call's attributes
-# The target of the settling call (cpp/lockstep.h).
-SETTLED = "jaxcomm_settled"
+# The targets of the calls that bracket a loop, a conditional or a nested
+# function (cpp/lockstep.h); the settling one also follows a user's kernel.
+SETTLED, ENTERED = "jaxcomm_settled", "jaxcomm_entered"
 
 # Seconds to wait before MPI_Abort at exit: enough for mpiexec to forward the
 # message from the pipe on a loaded node.
@@ -66,7 +78,7 @@ _ABORT_GRACE_S = 0.5
 
 def attributes() -> dict[str, Any]:
     """The three attributes as a call is emitted with them (`emitted` sets them)."""
-    return {LAST: np.bool_(True), COMMS: np.zeros(0, np.int64), TRACKED: np.bool_(True)}
+    return {LAST: np.bool_(True), COMMS: np.zeros(0, np.int64), OWING: np.int32(SETTLES)}
 
 
 class _Module(threading.local):
@@ -75,25 +87,25 @@ class _Module(threading.local):
     module: Any = None
     calls: list  # its calls with the attributes, settling ones too, as emitted
     last: list  # those that no call a peer waits for has followed since
+    settling: list  # those that settle: no call a peer waits for has followed since
     comms: list  # keys of the communicators that peers wait on in its calls
     sealed = False  # none of its calls is last
-    hidden = False  # it has calls where jaxcomm does not see its end (see above)
-    ends_seen = False  # a jaxcomm.jit computation, which ends with a settling call
-    # It has calls in shard_map over several processes: nothing is tracked, since
-    # a rank that goes out of step there ends the job, and no settling call is
-    # made (outside shard_map it would act on arrays that span the processes).
-    sharded = False
+    # Where the equation being lowered lies: one entry per loop, conditional or
+    # function being lowered around it (`region`). Empty in the entry function.
+    regions: list
 
     def start(self, module: Any) -> None:
-        self.module, self.calls, self.last, self.comms = module, [], [], []
-        self.sealed = self.hidden = self.ends_seen = self.sharded = False
-
-    @property
-    def tracked(self) -> bool:
-        return (self.ends_seen and not self.sharded) or not self.hidden
+        self.module, self.calls, self.last, self.settling = module, [], [], []
+        self.comms, self.regions, self.sealed = [], [], False
 
 
 _lowering = _Module()
+
+# What `region` finds around an equation: the body of shard_map, lowered in
+# the entry function (its calls are placed as there), an op bracketed by
+# jaxcomm_entered and jaxcomm_settled, and one that is not (its calls owe
+# nothing jaxcomm tracks).
+_SHARD_MAP_BODY, BRACKETED, _UNTRACKED = "shard_map body", "bracketed", "untracked"
 
 
 def _state(module: Any) -> _Module:
@@ -103,8 +115,45 @@ def _state(module: Any) -> _Module:
     return state
 
 
+def region(ctx: mlir.LoweringRuleContext, *, shard_map: bool, placeable: bool) -> str | None:
+    """How to lower an equation whose params hold functions with jaxcomm calls
+    (a loop, a conditional, a nested function, shard_map's body), inside
+    `within(ctx, how)` with the `how` returned: BRACKETED, by jaxcomm_entered
+    and jaxcomm_settled, where it is the outermost of the entry function and
+    `placeable` (a jaxcomm call can run there: not in a computation that XLA
+    partitions over several processes)."""
+    state = _state(ctx.module_context.module)
+    at_top = not state.regions or state.regions[-1] == _SHARD_MAP_BODY
+    if shard_map:
+        return _SHARD_MAP_BODY if at_top else None
+    if not at_top:
+        return None
+    return BRACKETED if placeable else _UNTRACKED
+
+
+@contextlib.contextmanager
+def within(ctx: mlir.LoweringRuleContext, how: str | None) -> Iterator[None]:
+    """While an equation that `region` placed is lowered."""
+    if how is None:
+        yield
+        return
+    # The list of this module: lowering another module meanwhile starts a new one.
+    regions = _state(ctx.module_context.module).regions
+    regions.append(how)
+    try:
+        yield
+    finally:
+        regions.pop()
+
+
 def emitted(
-    ctx: mlir.LoweringRuleContext, call: Any, *, marked: bool, awaited: int | None, sharded: bool
+    ctx: mlir.LoweringRuleContext,
+    call: Any,
+    *,
+    marked: bool,
+    awaited: int | None,
+    sharded: bool,
+    owes: bool = False,
 ) -> None:
     """Account for `call`, a jaxcomm custom call just emitted with `ctx`.
     `marked`: it has the three attributes (jaxcomm's own operations do; a user
@@ -112,15 +161,20 @@ def emitted(
     may wait for it, else None (see above). `sharded`: it lies in shard_map over
     several processes, where JAX's own collectives may follow it, which jaxcomm
     can neither see nor refuse: no call of the module is last, and a rank that
-    goes out of step ends the job."""
+    goes out of step ends the job. `owes`: it owes whatever follows
+    (jaxcomm_entered)."""
     state = _state(ctx.module_context.module)
     if sharded:
         cpu.end_job_when_out_of_step()
-        state.sharded = True
         _seal(state)
     in_loop, in_callee = _placement(call)
-    if (in_loop or in_callee) and not state.hidden:
-        _hide(state)
+    if owes or awaited is not None:
+        # What the calls that settle so far settled is owed again: peers wait for
+        # this call, or for calls in the op that jaxcomm_entered brackets (whose
+        # function JAX may have lowered for an earlier place, and not again).
+        for earlier in state.settling:
+            _set(earlier, owing=OWES)
+        state.settling = []
     if awaited is not None:
         for earlier in state.last:
             _set(earlier, last=False)
@@ -134,50 +188,24 @@ def emitted(
     if not marked:
         return
     state.calls.append(call)
-    _set(call, comms=state.comms, tracked=state.tracked)
+    inside = any(how != _SHARD_MAP_BODY for how in state.regions)
+    owing = INSIDE if inside else OWES if owes else SETTLES
+    _set(call, comms=state.comms, owing=owing)
+    if owing == SETTLES:
+        state.settling.append(call)
     if state.sealed or in_loop:
         _set(call, last=False)
     else:
         state.last.append(call)
 
 
-def ordered_call(ctx: mlir.LoweringRuleContext) -> None:
-    """The module being lowered is a jaxcomm.jit computation, which ends with a
-    settling call: it stays tracked where its calls may run out of order."""
-    _state(ctx.module_context.module).ends_seen = True
-
-
-def unsettled(ctx: mlir.LoweringRuleContext) -> bool:
-    """Whether the module has calls whose computation only a settling call at its
-    end can settle (see above): then jaxcomm.jit emits one, and `ends` it."""
-    state = _lowering
-    return state.module is ctx.module_context.module and state.hidden and not state.sharded
-
-
-def ends(ctx: mlir.LoweringRuleContext) -> None:
-    """The call just emitted (jaxcomm.jit's settling call) ends the computation:
-    no jaxcomm call follows it, whatever the order of the others."""
-    state = _state(ctx.module_context.module)
-    _set(state.calls[-1], last=True)
-
-
 def _seal(state: _Module) -> None:
-    """No call of the module is last, nor tracked unless its computation ends
-    with a settling call."""
+    """No call of the module is last."""
     if not state.sealed:
         state.sealed = True
         for call in state.calls:
             _set(call, last=False)
         state.last = []
-    _hide(state)
-
-
-def _hide(state: _Module) -> None:
-    """Calls of the module lie where jaxcomm does not see its end: none is
-    tracked unless its computation ends with a settling call."""
-    state.hidden = True
-    for call in state.calls:
-        _set(call, tracked=state.tracked)
 
 
 def _placement(call: Any) -> tuple[bool, bool]:
@@ -194,11 +222,13 @@ def _placement(call: Any) -> tuple[bool, bool]:
 
 
 def _set(call: Any, **values: Any) -> None:
-    """Set attributes of `call` (last, comms, tracked)."""
+    """Set attributes of `call` (last, comms, owing)."""
     attributes = {named.name: named.attr for named in ir.DictAttr(call.attributes[_CONFIG])}
     for name, value in values.items():
         if name == COMMS:
             attributes[name] = mlir.ir_attribute(np.array(value, np.int64))
+        elif name == OWING:
+            attributes[name] = mlir.ir_attribute(np.int32(value))
         else:
             attributes[name] = ir.BoolAttr.get(bool(value))
     call.attributes[_CONFIG] = ir.DictAttr.get(attributes)

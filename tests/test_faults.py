@@ -239,6 +239,69 @@ def test_an_error_inside_shard_map_over_processes_ends_the_job(tmp_path):
     ), result.stderr
 
 
+@pytest.mark.parametrize(("where", "then"), [("straight", "a step"), ("fori_loop", "nothing")])
+def test_a_step_in_shard_map_stopped_by_a_callback_ends_the_job(tmp_path, where, then):
+    """Inside shard_map over every process, rank 0's step stops in a host
+    callback after an allreduce that a later one follows, in the step itself or
+    in a loop; the peers wait in that later one, which jaxcomm cannot refuse
+    where JAX's own collectives may follow it. Rank 0 ends the job at its next
+    call (or at exit): no rank gets a value from the step, and nobody waits
+    forever."""
+    script = program(
+        tmp_path,
+        f"""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax import lax
+        from jax.experimental import io_callback
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from jax_processes import start_jax_distributed
+        from mpi4py import MPI
+        import jaxcomm
+        world = MPI.COMM_WORLD
+        start_jax_distributed()
+        mesh = Mesh(np.array(jax.devices()), ("x",))
+        line = jaxcomm.JaxComm().along(mesh, "x")
+
+        def callback(a):
+            if world.rank == 0:
+                raise RuntimeError("the callback fails")
+            return np.asarray(a)
+
+        def fail(a):
+            return io_callback(callback, jax.ShapeDtypeStruct(a.shape, a.dtype), a)
+
+        def step(v):
+            if {where!r} == "straight":
+                return line.allreduce(fail(line.allreduce(v)) * 1000)
+            return lax.fori_loop(0, 2, lambda _, c: 0 * c + fail(line.allreduce(c)), v)
+
+        spec = dict(mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        step = jax.jit(jax.shard_map(step, **spec))
+        total = jax.jit(jax.shard_map(line.allreduce, **spec))
+        local = np.full((2,), world.rank + 1.0, np.float32)
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), local)
+        try:
+            print("value", np.asarray(step(x).addressable_data(0)).tolist(), flush=True)
+        except jax.errors.JaxRuntimeError as error:
+            print("rank", world.rank, "step failed", flush=True)
+        if {then!r} == "a step":
+            print("next", np.asarray(total(x).addressable_data(0)).tolist(), flush=True)
+    """,
+    )
+    helpers = str(Path(__file__).with_name("mpi"))  # jax_processes.py
+    result = run(2, [script], TIMEOUT, env={"PYTHONPATH": helpers})
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert not killed_at_the_limit(result), output  # rank 0 ended the job
+    assert "rank 0 step failed" in result.stdout, output
+    assert "value" not in result.stdout and "next" not in result.stdout, output
+    assert re.search(
+        r"jaxcomm: rank 0 ends the job: it is out of step with its peers \(a computation "
+        r"stopped after its .*JAX's own collectives in shard_map",
+        result.stderr,
+    ), output
+
+
 def test_watchdog_is_quiet_when_calls_complete(tmp_path):
     script = program(
         tmp_path,

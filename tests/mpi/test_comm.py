@@ -140,9 +140,10 @@ def test_the_cpp_and_python_declarations_agree():
     declared = set(_native.cpu.operations())
     assert set(PRIMITIVES) == declared
     polling = {"wait", "test"}
-    # Before a user's kernel (jaxcomm._kernels), and what settles what a computation
-    # owes (jaxcomm._lockstep).
-    guard = {"in_step", "settled"}
+    # Before a user's kernel (jaxcomm._kernels), and the calls around a loop, a
+    # conditional or a nested function that say what a computation owes
+    # (jaxcomm._lockstep).
+    guard = {"in_step", "settled", "entered"}
     assert set(_native.cpu.registrations()) == {f"jaxcomm_{n}" for n in declared | polling | guard}
     if _native.cuda is not None:
         blocking = declared - set(_nonblocking.OPERATIONS)

@@ -75,10 +75,9 @@ def failing(draw) -> Example:
         example,
         ops=ops,
         place="outside",
-        # Under jax.jit, jaxcomm sees where a computation ends only where its calls
-        # lie outside loops, branches and nested jits (docs/troubleshooting.md);
-        # jaxcomm.jit sees it everywhere.
-        mode="jaxcomm.jit" if example.body else draw(st.sampled_from(["jax.jit", "jaxcomm.jit"])),
+        # Both see where a computation's calls end, wherever they lie: in the
+        # jitted function, in a loop, a conditional or a nested jit.
+        mode=draw(st.sampled_from(["jax.jit", "jaxcomm.jit"])),
         fail=draw(st.integers(0, len(ops) - 2)),
     )
 

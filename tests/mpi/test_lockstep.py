@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import re
 import threading
 import time
 
@@ -371,36 +372,76 @@ NEXT_CALLS = {
 
 
 def stopped_steps(comm):
-    """name -> (step, the inputs of the allreduces it makes on every rank, as
-    functions of x, in order): a step whose computation stops on rank FAILING
-    after its first allreduce, in a host callback."""
+    """name -> (step, the inputs of the allreduces that rank FAILING still owes
+    its peers when it stops, as functions of x and of the sum of x over the
+    ranks, in order; the factor of that sum in its result): a step whose
+    computation stops on rank FAILING in a host callback, before an allreduce
+    that its peers make, with its calls in the jitted function itself, in a
+    loop, a conditional or a nested jit, or before and after one."""
     fail = raising_on(FAILING)
+    first, then_total = (lambda x, total: x), (lambda x, total: jnp.full_like(x, total))
+    thousand = lambda x, total: jnp.full_like(x, total * 1000)  # noqa: E731
+    nested = jax.jit(lambda v: fail(comm.allreduce(v)))
 
-    def straight(x):  # the issue's reproduction
-        a = comm.allreduce(x)
-        return comm.allreduce(fail(a) * 1000)
+    fori = lambda body, x: jax.lax.fori_loop(0, 2, lambda _, c: body(c), x)  # noqa: E731
+    scan = lambda body, x: jax.lax.scan(lambda c, _: (body(c), None), x, length=2)[0]  # noqa: E731
 
-    def in_a_loop(x):  # two iterations: the first one stops
-        return jax.lax.fori_loop(0, 2, lambda _, c: fail(comm.allreduce(c)), x)
+    def while_loop(body, x, times=2):
+        counted = lambda s: (s[0] + 1, body(s[1]))  # noqa: E731
+        return jax.lax.while_loop(lambda s: s[0] < times, counted, (0, x))[1]
+
+    def cond(body, x):
+        return jax.lax.cond(x.sum() > 0, body, lambda v: -v, x)
 
     return {
+        # The issue's reproduction.
         "straight": (
-            straight,
-            [lambda x, total: x, lambda x, total: jnp.full_like(x, total * 1000)],
+            lambda x: comm.allreduce(fail(comm.allreduce(x)) * 1000),
+            [thousand],
+            1000,
         ),
-        "loop": (in_a_loop, [lambda x, total: x, lambda x, total: jnp.full_like(x, total)]),
+        # Two iterations: the first one stops after its call.
+        "fori_loop": (lambda x: fori(lambda c: fail(comm.allreduce(c)), x), [then_total], 1),
+        "scan": (lambda x: scan(lambda c: fail(comm.allreduce(c)), x), [then_total], 1),
+        "while_loop": (
+            lambda x: while_loop(lambda c: fail(comm.allreduce(c)), x),
+            [then_total],
+            1,
+        ),
+        # Two iterations: the first one stops before its call.
+        "fori_loop, before its call": (
+            lambda x: fori(lambda c: comm.allreduce(fail(c)), x),
+            [first, then_total],
+            1,
+        ),
+        "cond": (
+            lambda x: cond(lambda v: comm.allreduce(fail(comm.allreduce(v))), x),
+            [then_total],
+            1,
+        ),
+        "cond, then a call": (
+            lambda x: comm.allreduce(cond(lambda v: fail(comm.allreduce(v)), x)),
+            [then_total],
+            1,
+        ),
+        # Stopped between the loop and the call after it.
+        "loop, then a call": (
+            lambda x: comm.allreduce(fail(while_loop(comm.allreduce, x, times=1)) * 1000),
+            [thousand],
+            1000,
+        ),
+        "nested jit, then a call": (
+            lambda x: comm.allreduce(nested(x) * 1000),
+            [thousand],
+            1000,
+        ),
     }
 
 
-# jaxcomm sees where a computation's calls end in jaxcomm.jit's computations, and in
-# jax.jit's where they lie in the jitted function itself, outside loops (the
-# docs' "What jaxcomm sees").
+# Wherever its calls lie, jaxcomm sees where a computation's calls end (the docs'
+# "What jaxcomm sees"), under both.
 STOPPED = [
-    (jit, steps, then)
-    for jit in JITS
-    for steps in ("straight", "loop")
-    for then in NEXT_CALLS
-    if not (jit == "jax.jit" and steps == "loop")
+    (jit, steps, then) for jit in JITS for steps in stopped_steps(None) for then in NEXT_CALLS
 ]
 
 
@@ -411,7 +452,7 @@ def test_a_computation_stopped_after_a_call_puts_the_rank_out_of_step(comm, jit,
     FAILING the next call raises, whatever runs it, instead of pairing with the
     peers' second allreduce; its peers' calls pair with the ones it then makes
     with mpi4py. On one rank nothing is owed: no peer waits."""
-    step, inputs = stopped_steps(comm)[steps]
+    step, inputs, scale = stopped_steps(comm)[steps]
     x = jnp.full(2, comm.rank + 1.0, jnp.float32)
     total = float(comm.size * (comm.size + 1) // 2)
     following = jnp.full(2, 10.0 * (comm.rank + 1), jnp.float32)
@@ -425,15 +466,15 @@ def test_a_computation_stopped_after_a_call_puts_the_rank_out_of_step(comm, jit,
             jax.block_until_ready(JITS[jit](step)(x))
         with pytest.raises(jax.errors.JaxRuntimeError, match=r"refused: rank .* out of step"):
             jax.block_until_ready(NEXT_CALLS[then](comm, following))
-        assert "a computation stopped after its allreduce" in _native.cpu.out_of_step()
-        for later in inputs[1:]:  # the calls the peers make
+        stopped = "allreduce" if steps == "straight" else "entry into a loop, conditional"
+        assert f"a computation stopped after its {stopped}" in _native.cpu.out_of_step()
+        for later in inputs:  # the calls the peers make
             mine = np.asarray(later(x, total), np.float32)
             comm.mpi.Allreduce(mine, np.empty_like(mine))
         comm.mpi.Allreduce(np.asarray(following), np.empty(2, np.float32))
         forget_failures()
     else:
         got = jax.block_until_ready(JITS[jit](step)(x))
-        scale = 1000 if steps == "straight" else 1
         np.testing.assert_array_equal(got, np.full(2, total * comm.size * scale, np.float32))
         got = NEXT_CALLS[then](comm, following)
         np.testing.assert_array_equal(got, np.full(2, 10.0 * total, np.float32))
@@ -558,3 +599,40 @@ def test_computations_that_end_normally_leave_the_rank_in_step(comm, jit):
             jax.block_until_ready(JITS[jit](step)(x))
             assert _native.cpu.out_of_step() is None, name
             check_in_step(comm)
+
+
+def owing_in_order(text: str) -> list[tuple[str, int]]:
+    """(target, owing) of each jaxcomm custom call of the entry function of a
+    lowered program's text, in order, but those in its ops' regions (a loop's
+    body, which some JAX releases lower in place)."""
+    main = text[text.index("func.func public @main") :]
+    main = main[: main.index("\n  }\n")]
+    top = "\n".join(line for line in main.splitlines() if re.match(r"    %", line))
+    return [
+        (target, int(owing))
+        for target, owing in re.findall(
+            r"custom_call @jaxcomm_(\w+)\(.*?mhlo\.backend_config = \{[^}]*owing = (\d+)", top
+        )
+    ]
+
+
+def test_a_loop_that_a_call_follows_still_owes_it(comm):
+    """Where a call that peers wait for follows a loop, the call that settles
+    after the loop owes it instead, in the program that runs (jaxcomm sets that
+    when it emits the later call): a host callback that XLA runs after that
+    call and before the later one stops a computation that still owes. Which
+    of the two runs first is XLA's choice, so a stop there cannot show it
+    reliably; the lowered program does. On one rank nothing is owed."""
+
+    def step(x):
+        looped = jax.lax.fori_loop(0, 2, lambda _, c: comm.allreduce(c) * 0.5, x)
+        return comm.allreduce(looped)
+
+    x = jnp.ones(2, jnp.float32)
+    lowered = jax.jit(step).lower(x).as_text()
+    owes, settles = (1, 2) if comm.size > 1 else (2, 2)
+    # jaxcomm_entered always owes: inside the loop nothing says what is owed.
+    want = [("entered", 1), ("settled", owes), ("allreduce", settles)]
+    assert owing_in_order(lowered) == want, lowered
+    np.testing.assert_array_equal(jax.jit(step)(x), np.full(2, comm.size**3 / 4, np.float32))
+    check_in_step(comm)

@@ -211,6 +211,44 @@ MUTATIONS = [
         "eager calls through JAX (JAXCOMM_EAGER=jit) trace the fusion switch",
     ),
     Mutation(
+        "loop-owes-nothing",
+        "jaxcomm/_lockstep.py",
+        "    return BRACKETED if placeable else _UNTRACKED",
+        "    return _UNTRACKED",
+        ("lockstep",),
+        "under jax.jit, a loop, conditional or nested jit with jaxcomm calls is not bracketed: "
+        "a computation stopped in it leaves the rank in step, and its next call pairs with a "
+        "later call of its peers",
+    ),
+    Mutation(
+        "loop-lowered-once",
+        "jaxcomm/_jax_internals.py",
+        "        if COMM_EFFECT in eqn.effects:\n            return _in_place",
+        "        if False:\n            return _in_place",
+        ("lockstep",),
+        "JAX's lowering cache copies a loop with jaxcomm calls: its settling call keeps the "
+        "attributes it had when copied, and settles though a later call follows the loop",
+    ),
+    Mutation(
+        "cond-not-settled",
+        "jaxcomm/_jax_internals.py",
+        "        _settle(after)\n",
+        '        _settle(after) if primitive.name != "cond" else '
+        "after.set_tokens_out(inner.tokens_out)\n",
+        ("lockstep",),
+        "no settling call after a lax.cond with jaxcomm calls: a computation that ended "
+        "normally still owes them, and the next call is refused",
+    ),
+    Mutation(
+        "entered-owes-nothing",
+        "cpp/lockstep.cc",
+        "  if (may_run(run.run_id, comms)) ran(run.run_id, comms, /*last=*/false, kRegion);",
+        "  may_run(run.run_id, comms);",
+        ("lockstep",),
+        "jaxcomm_entered records nothing owed: a computation stopped inside a loop leaves the "
+        "rank in step",
+    ),
+    Mutation(
         "jit-argnums-unshifted",
         "jaxcomm/_jit.py",
         "return tuple(n + 1 if n >= 0 else n for n in numbers)",
