@@ -370,16 +370,14 @@ _enter = lower_with_token(_lockstep.ENTERED, owes=True)
 _settle = lower_with_token(_lockstep.SETTLED)
 
 
-# ---------------------------------------------------------------------------
-# Loops, conditionals and nested functions that hold jaxcomm calls.
-#
-# JAX lowers every equation through mlir._uncached_lowering: in place where its
-# primitive is not cacheable, else into a function that it lowers once and then
-# copies (inlines) or calls at each place the same equation appears. jaxcomm
-# gives each call attributes that depend on its place and that later calls
-# change (jaxcomm._lockstep), so an equation with jaxcomm's effect is lowered
-# in place, as an uncacheable one is; and the outermost such equation of the
-# entry function that holds functions (a loop, a conditional, a nested jit,
+# Loops, conditionals and nested functions that hold jaxcomm calls: JAX lowers
+# every equation through mlir._uncached_lowering: in place where its primitive
+# is not cacheable, else into a function that it lowers once and then copies
+# (inlines) or calls at each place the same equation appears. jaxcomm gives each
+# call attributes that depend on its place and that later calls change
+# (jaxcomm._lockstep), so an equation with jaxcomm's effect is lowered in place,
+# as an uncacheable one is; and the outermost such equation of the entry
+# function that holds functions (a loop, a conditional, a nested jit,
 # jax.checkpoint, a custom derivative) is bracketed by jaxcomm._lockstep's
 # jaxcomm_entered and jaxcomm_settled calls. shard_map's body counts as the
 # entry function. Other equations are lowered as JAX does.
@@ -481,7 +479,7 @@ def _emitted_in_place(emit: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # jaxpr_subcomp looks each of these up in mlir's namespace when it lowers an
-# equation (as JAX 0.10 does; jaxcomm pins the JAX it supports).
+# equation (JAX 0.10 to 0.12 do; CI tests the oldest and the newest).
 mlir._uncached_lowering = _lowered_in_place(mlir._uncached_lowering)
 mlir._cached_lowering_miss = _cached_unless_ours(mlir._cached_lowering_miss)
 mlir._emit_cached_call = _emitted_in_place(mlir._emit_cached_call)
