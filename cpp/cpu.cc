@@ -152,6 +152,15 @@ NB_MODULE(_jaxcomm_cpu, m) {
         return "FAILED_PRECONDITION: " + jaxcomm::refusal(operation).message();
       },
       nb::arg("operation"), "The error that refuses `operation` while out of step, else None.");
+  m.def(
+      "refusal_on",
+      [](std::string_view operation, std::vector<int64_t> comms) -> std::optional<std::string> {
+        if (jaxcomm::may_run(std::nullopt, {comms.data(), comms.size()})) return std::nullopt;
+        return "FAILED_PRECONDITION: " + jaxcomm::refusal(operation).message();
+      },
+      nb::arg("operation"), nb::arg("comms"),
+      "The error that refuses `operation`, a call outside any computation on the "
+      "communicators `comms` (keys), as may_run decides (lockstep.h), else None.");
   m.def("out_of_step", &jaxcomm::out_of_step,
         "Why this rank is out of step with its peers (lockstep.h), or None.");
   m.def("refusal_pending", &jaxcomm::refusal_pending,

@@ -239,6 +239,14 @@ def refusal(operation: str) -> str | None:
     return cpu.refusal(operation)
 
 
+def refusal_on(operation: str, comms: list[int]) -> str | None:
+    """The error that refuses `operation`, which communicates outside any
+    computation on the communicators whose keys are `comms`, else None: while
+    this rank is out of step, and where a computation owes an operation on one
+    of them, in which a peer may wait (the rank goes out of step then)."""
+    return cpu.refusal_on(operation, comms)
+
+
 def refused(operation: str, error: BaseException) -> None:
     """`operation` did not run: JAX raised `error` before dispatching it (a
     computation it is ordered after failed). Its peers run theirs."""

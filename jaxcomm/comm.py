@@ -19,6 +19,7 @@ from jaxcomm import (
     _dispatch,
     _eager,
     _kernels,
+    _lockstep,
     _native,
     _nonblocking,
     _p2p,
@@ -133,6 +134,20 @@ def _nonblocking_method(
     return post
 
 
+def _before_making(method: str, key: int | None) -> None:
+    """Before `method` makes a communicator with a collective call of MPI's,
+    outside any computation. Pending jaxcomm calls finish first: XLA may run
+    them on its threads, and under MPI_THREAD_SERIALIZED they must finish
+    before this thread calls MPI. And a rank out of step refuses it, as it
+    refuses every jaxcomm call: the MPI collective inside (the new context id's
+    allreduce, MPI_Comm_split's exchange) would pair with an operation that its
+    peers wait in. `key`: the jaxcomm communicator it is made from, on which a
+    stopped computation may owe such an operation (None: a plain mpi4py one)."""
+    jax.effects_barrier()
+    if (refused := _lockstep.refusal_on(method, [] if key is None else [key])) is not None:
+        raise jax.errors.JaxRuntimeError(refused)
+
+
 class JaxComm:
     """An MPI intracommunicator whose methods are JAX operations.
 
@@ -160,9 +175,7 @@ class JaxComm:
             raise TypeError(f"JaxComm: comm must be an mpi4py communicator, got {base!r}")
         if base.Is_inter():
             raise TypeError("JaxComm: comm must be an intracommunicator, got an intercommunicator")
-        # XLA may be running jaxcomm calls on its threads; under
-        # MPI_THREAD_SERIALIZED they must finish before this thread calls MPI.
-        jax.effects_barrier()
+        _before_making("JaxComm", comm._info.key if isinstance(comm, JaxComm) else None)
         self._mpi = base.Dup()
         # Errors come back as codes that the FFI handlers turn into exceptions,
         # instead of aborting the job.
@@ -210,6 +223,7 @@ class JaxComm:
 
     def dup(self: Self) -> Self:
         """A new communicator of the same type and group (collective)."""
+        _before_making("dup", self._comm.key)  # refused under its own name
         return type(self)(self)
 
     def split(self, color: int, key: int = 0) -> JaxComm | None:
@@ -217,7 +231,7 @@ class JaxComm:
 
         The parts have no topology: split on a grid or graph gives communicators
         of the class without its methods (a subclass of JaxComm keeps its own)."""
-        jax.effects_barrier()  # see __init__
+        _before_making("split", self._comm.key)
         part = self._mpi.Split(color, key)
         if part == MPI.COMM_NULL:
             return None
@@ -249,8 +263,7 @@ class JaxComm:
             key, made = None, None
         if made is not None and made.mpi != MPI.COMM_NULL:
             return made
-        self._comm  # noqa: B018 (raises if this communicator was freed)
-        jax.effects_barrier()  # see __init__
+        _before_making("along", self._comm.key)
         part, span = _sharded.along_split(self._mpi, mesh, axes)
         try:
             made = type(self)(part, check=self.check)
@@ -270,6 +283,7 @@ class JaxComm:
         dimension wraps (default: none). Returns a CartComm that is also of this
         communicator's type, with coords, shift and halo_exchange.
         """
+        _before_making("create_cart", self._comm.key)
         cart = topology.cartesian_mpi_comm(self._mpi, dims, periods, reorder)
         try:
             return _with_topology(type(self), CartComm)(cart, check=self.check)
@@ -295,6 +309,7 @@ class JaxComm:
         ``g.rank``: its ``g.sources`` and ``g.destinations`` are the lists that
         rank passed, not necessarily its own arguments.
         """
+        _before_making("create_dist_graph", self._comm.key)
         graph = topology.dist_graph_mpi_comm(self._mpi, sources, destinations, reorder)
         try:
             return _with_topology(type(self), GraphComm)(graph, check=self.check)

@@ -490,6 +490,50 @@ KEEPS_X = {
 }
 
 
+# Each way to make a communicator from another: MPI's collective inside it (the
+# new context id's allreduce, MPI_Comm_split's exchange) would pair with an
+# operation that the peers wait in.
+MAKE_COMMS = {
+    "dup": lambda comm: comm.dup(),
+    "JaxComm": lambda comm: jaxcomm.JaxComm(comm),
+    "split": lambda comm: comm.split(0),
+    "create_cart": lambda comm: comm.create_cart([comm.size]),
+    "create_dist_graph": lambda comm: comm.create_dist_graph([], []),
+}
+
+
+@pytest.mark.parametrize("make", MAKE_COMMS)
+def test_a_rank_out_of_step_makes_no_communicator(comm, make):
+    """Rank FAILING's step stops after its first allreduce; making a
+    communicator from `comm` then raises there, once it owes the second
+    allreduce and again once out of step, instead of pairing MPI's collective
+    inside with the peers' second allreduce. On one rank nothing is owed."""
+    step, inputs, scale = stopped_steps(comm)["straight"]
+    x = jnp.full(2, comm.rank + 1.0, jnp.float32)
+    total = float(comm.size * (comm.size + 1) // 2)
+    if comm.size > 1 and comm.rank == FAILING:
+        with pytest.raises(jax.errors.JaxRuntimeError, match="the callback fails"):
+            jax.block_until_ready(jax.jit(step)(x))
+        for _ in range(2):
+            with pytest.raises(
+                jax.errors.JaxRuntimeError, match=rf"{make} refused: rank .* out of step"
+            ):
+                MAKE_COMMS[make](comm)
+        for later in inputs:  # the calls the peers make
+            mine = np.asarray(later(x, total), np.float32)
+            comm.mpi.Allreduce(mine, np.empty_like(mine))
+        forget_failures()
+    elif comm.size > 1:
+        got = jax.block_until_ready(jax.jit(step)(x))
+        np.testing.assert_array_equal(got, np.full(2, total * comm.size * scale, np.float32))
+    else:
+        with pytest.raises(jax.errors.JaxRuntimeError, match="the callback fails"):
+            jax.block_until_ready(jax.jit(step)(x))
+    made = MAKE_COMMS[make](comm)  # in step again: made alike on every rank
+    check_in_step(made)
+    made.free()
+
+
 def after_keeping_x(comm, name: str, callback):
     """A step: an allreduce, then `name`, whose result a host callback reads, then
     an allreduce of what the callback returns."""

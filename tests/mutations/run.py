@@ -211,6 +211,15 @@ MUTATIONS = [
         "eager calls through JAX (JAXCOMM_EAGER=jit) trace the fusion switch",
     ),
     Mutation(
+        "making-comms-unrefused",
+        "jaxcomm/comm.py",
+        "[] if key is None else [key])) is not None:",
+        "[])) is not None and False:",
+        ("lockstep",),
+        "a rank that owes an operation, or is out of step, makes a communicator: MPI's "
+        "collective inside pairs with the operation its peers wait in",
+    ),
+    Mutation(
         "loop-owes-nothing",
         "jaxcomm/_lockstep.py",
         "    return BRACKETED if placeable else _UNTRACKED",
