@@ -299,33 +299,16 @@ ffi::Error EnteredRegion(ffi::RunId run, ffi::Token, ffi::Result<ffi::Token>, bo
 }
 }  // namespace
 
+// token -> token, with the lockstep attributes (lockstep.h) after any of its own.
+#define JAXCOMM_BIND_TOKEN_CALL(...)                                     \
+  ffi::Ffi::Bind().Ctx<ffi::RunId>().Arg<ffi::Token>().Ret<ffi::Token>() \
+      __VA_ARGS__ JAXCOMM_BIND_LOCKSTEP_ATTRIBUTES
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_in_step, InStep,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::Token>()
-                                  .Ret<ffi::Token>()
-                                  .Attr<std::string_view>("kernel")
-                                  .Attr<bool>("last")
-                                  .Attr<ffi::Span<const int64_t>>("comms")
-                                  .Attr<int32_t>("owing"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_settled, Settled,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::Token>()
-                                  .Ret<ffi::Token>()
-                                  .Attr<bool>("last")
-                                  .Attr<ffi::Span<const int64_t>>("comms")
-                                  .Attr<int32_t>("owing"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_entered, EnteredRegion,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::Token>()
-                                  .Ret<ffi::Token>()
-                                  .Attr<bool>("last")
-                                  .Attr<ffi::Span<const int64_t>>("comms")
-                                  .Attr<int32_t>("owing"));
+                              JAXCOMM_BIND_TOKEN_CALL(.Attr<std::string_view>("kernel")));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_settled, Settled, JAXCOMM_BIND_TOKEN_CALL());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_entered, EnteredRegion, JAXCOMM_BIND_TOKEN_CALL());
+#undef JAXCOMM_BIND_TOKEN_CALL
 
 bool on_python_thread() { return PyGILState_GetThisThreadState() != nullptr; }
 
