@@ -39,9 +39,9 @@ def start(folder: str, rank: int) -> None:
     from jax._src import compiler
 
     read, compile_ = compiler._cache_read, compiler._compile_and_write_cache
-    read_names = list(inspect.signature(read).parameters)
-    compile_names = set(inspect.signature(compile_).parameters)
-    shared = {*_NEEDED, *read_names} <= compile_names
+    read_signature, compile_signature = inspect.signature(read), inspect.signature(compile_)
+    read_names = list(read_signature.parameters)
+    shared = {*_NEEDED, *read_names} <= set(compile_signature.parameters)
     jax.config.update("jax_compilation_cache_dir", folder if shared else f"{folder}/rank{rank}")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
@@ -51,12 +51,12 @@ def start(folder: str, rank: int) -> None:
     claims.mkdir(parents=True, exist_ok=True)
 
     def cache_read(*args, **kwargs):
-        found = inspect.signature(read).bind(*args, **kwargs).arguments
+        found = read_signature.bind(*args, **kwargs).arguments
         _wait_for(claims / found["cache_key"])
         return read(*args, **kwargs)
 
     def compile_and_write_cache(*args, **kwargs):
-        found = inspect.signature(compile_).bind(*args, **kwargs).arguments
+        found = compile_signature.bind(*args, **kwargs).arguments
         if found["host_callbacks"]:
             return compile_(*args, **kwargs)
         with _claim(claims / found["cache_key"]) as ours:
