@@ -112,7 +112,9 @@ RUNS = {
         3,
         "messages through MPICH's network module (libfabric's TCP on loopback, the "
         "path between nodes): they arrive later and in pieces, so a receive that "
-        "is read, matched or cancelled at the wrong moment shows",
+        "is read, matched or cancelled at the wrong moment shows. It is also the "
+        "3-rank run of the files about messages and requests, in place of [3]: "
+        "what three ranks find does not depend on the transport",
         {**NETWORK, **FEWER_EXAMPLES},
     ),
     "asan": Run(
@@ -197,10 +199,11 @@ RUNS = {
 # is its own peer or a pair is both neighbours; the settings where they reach
 # the code those change (each family's eager tests through JAX, the suites about
 # order through jaxcomm.jit, messages and requests over the network module, the
-# C++ families under the sanitizers).
+# C++ families under the sanitizers). A file that runs over the network module
+# (3 ranks) is not run on 3 ranks again over shared memory.
 FILES = {
     "autodiff": "3 asan:replicat jax-2",  # jax-2: the SPEC wants gradients on 2 too
-    "checking": "2 3 network asan jax-2 mpi-3",
+    "checking": "2 network asan jax-2 mpi-3",
     "collectives": "1 2 3 eager-jax:eager asan jax-2 mpi-3",
     "comm": "1 2 3 jax-2 mpi-3",
     "control_flow_derivatives": "1 2 3 jaxcomm-jit jax-2 mpi-2",
@@ -211,20 +214,20 @@ FILES = {
     "graph": "3 asan jax-2 mpi-3",  # 3: a graph not reversed shows; self-loops too
     "in_place": "1 2 3 jax-2 mpi-3",
     "large": "large-2 large-3",
-    "lockstep": "1 2 3 network asan jax-2 mpi-3",
+    "lockstep": "1 2 network asan jax-2 mpi-3",
     "misuse": "3 asan jax-2",
     "neighbor_v": "3 asan jax-2 mpi-3",
     # Before the other files of the sharded runs: after jaxcomm has run inside
     # shard_map over several processes, a rank out of step ends the job.
     "failures_between_calls": "sharded-1 sharded-2 sharded-3 sharded-4 jax-sharded-2 mpi-sharded-2",
     "oracle": "sharded-1 sharded-2 sharded-3 sharded-4 jax-sharded-2 mpi-sharded-2",
-    "nonblocking": "1 2 3 eager-jax:eager jaxcomm-jit network asan jax-2 mpi-2 mpi-3",
+    "nonblocking": "1 2 eager-jax:eager jaxcomm-jit network asan jax-2 mpi-2 mpi-3",
     "ordered_jit": "5 jax-2",
     "ordering": "2 3 jaxcomm-jit jax-2",
-    "p2p": "1 2 3 eager-jax network asan jax-2 mpi-2 mpi-3",
+    "p2p": "1 2 eager-jax network asan jax-2 mpi-2 mpi-3",
     "properties": "3 jax-2",
     "reductions": "3 eager-jax:eager asan mpi-3",  # op x dtype: MPI and C++
-    "request_safety": "1 2 3 jaxcomm-jit network asan jax-2 mpi-2 mpi-3",
+    "request_safety": "1 2 jaxcomm-jit network asan jax-2 mpi-2 mpi-3",
     "sharded": "sharded-1 sharded-2 sharded-3 sharded-4:along jax-sharded-2 mpi-sharded-2",
     "sizes": "3 4 5 9 mpi-5",  # 3: the wildcard receive needs a third rank
     "topology": "1 2 3 jax-2 mpi-3",
