@@ -51,7 +51,7 @@ def apply(
         results, rest = _eager.run(primitive, leaves, tree, comm, items, fuse)
     elif not at_top_level() or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
         # Bound in the active trace even on constants: under grad the operation
-        # must take part (jaxcomm._jax_internals.taking_part), which a jitted
+        # must take part (jaxcomm._jax_internals.tangents), which a jitted
         # call of constants would hide from it.
         results, rest = _traced(primitive, leaves, comm, items, fuse)
     else:

@@ -3,14 +3,14 @@ path and kept in program order with every other jaxcomm call.
 
 JAX dispatches a computation that has an effect (as every jaxcomm operation has)
 on its Python path, which costs a few hundred microseconds per call. jaxcomm.jit
-compiles ``(marker, *args) -> (next marker, fun(*args))`` instead, with fun as
-one *ordered call* (jaxcomm._jax_internals): jaxcomm's effect stays inside, so
-fun's operations keep their order there as under jax.jit, and the computation
-JAX dispatches has no effect. Order across calls comes from the marker, a
-zero-size array that each call takes from the previous one and returns anew
-(XLA does not start a computation before its arguments are ready): the ordered
-calls form a chain with jitted calls that carry the effect and with eager calls
-(docs/ordering.md).
+compiles ``(marker, *args) -> (next marker, fun(*args))`` instead, with fun as one
+*ordered call* (jaxcomm._jax_internals.ordered_calls): jaxcomm's effect stays
+inside, so fun's operations keep their order there as under jax.jit, and the
+computation JAX dispatches has no effect. Order across calls comes from the
+marker, a zero-size array that each call takes from the previous one and returns
+anew (XLA does not start a computation before its arguments are ready): the
+ordered calls form a chain with jitted calls that carry the effect and with eager
+calls (docs/ordering.md).
 """
 
 from __future__ import annotations

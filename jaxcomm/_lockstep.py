@@ -35,10 +35,10 @@ gives every jaxcomm custom call three attributes:
   settles as a call there would (neither communicates). So each place gets its
   own attributes, JAX's lowering cache, which would lower an equation once and
   copy it to each place it is used, is bypassed for equations with jaxcomm's
-  effect (jaxcomm._jax_internals). Inside shard_map over several processes a
-  rank that goes out of step ends the job (`emitted`); a shard_map that lies
-  in a loop, a conditional or a nested function outside shard_map is not
-  bracketed, where XLA partitions the op around it: its calls owe nothing.
+  effect (jaxcomm._jax_internals.lowering_hooks). Inside shard_map over several
+  processes a rank that goes out of step ends the job (`emitted`); a shard_map
+  that lies in a loop, a conditional or a nested function outside shard_map is
+  not bracketed, where XLA partitions the op around it: its calls owe nothing.
 
 A call that JAX refuses to run, because a computation it is ordered after
 failed, never runs either: jaxcomm's own dispatch notes it here (`refused`).
@@ -268,7 +268,7 @@ def abort_if_out_of_step(failure_unclaimed: Callable[[], bool], *, ended: bool =
     which no call has taken. Once every computation has ended, one that still
     owes operations (it stopped before them) puts it out of step: the peers
     wait in them. `failure_unclaimed`: whether such an error still waits in
-    JAX's token (jaxcomm._jax_internals, which builds on this module)."""
+    JAX's token (jaxcomm._jax_internals.at_exit, which builds on this module)."""
     if ended:
         cpu.diverge_if_owed()
     if cpu.refusal_pending() is not None:

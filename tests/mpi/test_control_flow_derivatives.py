@@ -8,8 +8,8 @@ between ranks or between iterations: a receive into a constant template, data
 sent from a constant on some ranks only, a collective of a constant on some
 ranks only. JAX splits a differentiated loop body or checkpoint by what depends
 on the tangents and by what changes between iterations; every rank must still
-make the same calls in the same order (jaxcomm._jax_internals.taking_part and
-OrderedPrimitive). Without that, these deadlock or pair the wrong messages.
+make the same calls in the same order (jaxcomm._jax_internals.tangents and
+.primitive's OrderedPrimitive). Without that, these deadlock or pair the wrong messages.
 """
 
 from __future__ import annotations

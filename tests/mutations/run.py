@@ -195,7 +195,7 @@ MUTATIONS = [
     ),
     Mutation(
         "invariant-zero-tangent",
-        "jaxcomm/_jax_internals.py",
+        "jaxcomm/_jax_internals/tangents.py",
         "    return vary(zeros, varying(aval))",
         "    return zeros",
         ("sharded",),
@@ -231,7 +231,7 @@ MUTATIONS = [
     ),
     Mutation(
         "loop-lowered-once",
-        "jaxcomm/_jax_internals.py",
+        "jaxcomm/_jax_internals/lowering_hooks.py",
         "        if COMM_EFFECT in eqn.effects:\n            return _in_place",
         "        if False:\n            return _in_place",
         ("lockstep",),
@@ -240,7 +240,7 @@ MUTATIONS = [
     ),
     Mutation(
         "cond-not-settled",
-        "jaxcomm/_jax_internals.py",
+        "jaxcomm/_jax_internals/lowering_hooks.py",
         "        _settle(after)\n",
         '        _settle(after) if primitive.name != "cond" else '
         "after.set_tokens_out(inner.tokens_out)\n",
@@ -410,7 +410,7 @@ def main() -> int:
     chosen = [m for m in MUTATIONS if not options.names or m.name in options.names]
     if options.list or not chosen:
         for m in MUTATIONS:
-            print(f"{m.name:26} {m.path:26} {' '.join(m.files):20} {m.bug}")
+            print(f"{m.name:26} {m.path:40} {' '.join(m.files):20} {m.bug}")
         return 0
     missed = []
     rows = ["| mutation | code | tests/mpi file | run | caught by | s |", "|---" * 6 + "|"]
