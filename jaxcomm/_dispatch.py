@@ -46,7 +46,7 @@ def apply(
     if done is not None:  # an earlier call like this one passed the checks below
         return done
     leaves = primitive.check_operands(leaves, params, comm)
-    fuse = primitive.elementwise
+    fuse = _fusion.fuses(primitive.elementwise, comm.check)
     if _eager.can_run(leaves):
         results, rest = _eager.run(primitive, leaves, tree, comm, items, fuse)
     elif not at_top_level() or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):

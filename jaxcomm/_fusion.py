@@ -58,6 +58,14 @@ def message_params(params: Params, message: Message) -> Params:
     return tuple((key, value[first] if type(value) is PerLeaf else value) for key, value in params)
 
 
+def fuses(elementwise: bool, checking: bool) -> bool:
+    """Whether an operation's small leaves travel together: where it is
+    element-wise, but not in checking mode, whose fingerprint describes a
+    call's one message: each leaf's own shape must show in it, or leaves that
+    differ between ranks but add up alike would pair silently."""
+    return elementwise and not checking
+
+
 def messages(types: Sequence[tuple[tuple[int, ...], Any]], fuse: bool) -> list[Message]:
     """The messages that carry leaves of `types` ((shape, dtype) each), in the
     order they go: without `fuse` every leaf alone, in order; with it each large

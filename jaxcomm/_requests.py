@@ -214,7 +214,8 @@ def start(
     element-wise (as the blocking form sends them); returns the Request that waits
     for them all."""
     op = _nonblocking.OPERATIONS[operation]
-    plan = _fusion.messages([(leaf.shape, leaf.dtype) for leaf in leaves], op.start.elementwise)
+    fuse = _fusion.fuses(op.start.elementwise, comm.check)
+    plan = _fusion.messages([(leaf.shape, leaf.dtype) for leaf in leaves], fuse)
     items = tuple(params.items())
     alone = tree is ONE_ARRAY  # what repeat can take next time
     parts, posted = [], []

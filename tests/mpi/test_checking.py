@@ -65,6 +65,33 @@ def test_different_operations(checked):
         jax.block_until_ready(jax.jit(call)(x))
 
 
+# Small leaves of one dtype travel as one message outside checking mode: leaves
+# that differ between ranks but add up to the same size must still show.
+SPLIT_LEAVES = {
+    "allreduce": lambda comm, x: comm.allreduce(x),
+    "bcast": lambda comm, x: comm.bcast(x, root=0),
+    "iallreduce": lambda comm, x: comm.wait(comm.iallreduce(x)),
+    "ibcast": lambda comm, x: comm.wait(comm.ibcast(x, root=0)),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", SPLIT_LEAVES)
+def test_leaves_that_differ_but_add_up_alike_are_caught(checked, name, jit):
+    needs_ranks(checked, 2)
+    first, second = (1, 2) if checked.rank == 1 else (2, 1)  # three elements each
+    x = (jnp.full(first, 7.0, F32), jnp.full(second, 9.0, F32))
+    call = partial(SPLIT_LEAVES[name], checked)
+    pattern = (
+        rf"rank 1 called {name}\(float32\[1\].*\) "
+        rf"while rank 0 called {name}\(float32\[2\].*\)"
+    )
+    with pytest.raises(Exception, match=pattern):
+        jax.block_until_ready((jax.jit(call) if jit else call)(x))
+    # Every rank raised at the same call: the communicator goes on in step.
+    assert_values(checked.allreduce(jnp.ones(2, F32)), np.full(2, checked.size, F32))
+
+
 def test_root_and_op_mismatch(checked):
     needs_ranks(checked, 2)
     x = jnp.ones(2, F32)

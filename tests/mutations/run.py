@@ -265,6 +265,15 @@ MUTATIONS = [
         ("ordered_jit", "request_safety", "ordering", "eager", "nonblocking"),
         "jaxcomm.jit's static/donated argument numbers not shifted past its marker",
     ),
+    Mutation(
+        "checking-fuses-leaves",
+        "jaxcomm/_fusion.py",
+        "return elementwise and not checking",
+        "return elementwise",
+        ("checking",),
+        "in checking mode small leaves still travel as one message: leaves that differ between "
+        "ranks but add up alike pair silently",
+    ),
 ]
 
 
