@@ -335,7 +335,7 @@ def _rank_list(argument: str, value: Any, size: int) -> list[int]:
     return ranks
 
 
-def _agree(comm: MPI.Intracomm, error: Exception | None, what: str) -> None:
+def _agree(comm: MPI.Intracomm, error: Exception | None, operation: str, what: str) -> None:
     """Raise `error` on the ranks that have one and an error naming them on the
     others, if any rank has one: so that no rank enters a collective call that
     the others have left."""
@@ -343,7 +343,7 @@ def _agree(comm: MPI.Intracomm, error: Exception | None, what: str) -> None:
     if error is not None:
         raise error
     if failed:
-        raise ValueError(f"create_dist_graph: {what} on rank(s) {failed} (see their errors)")
+        raise ValueError(f"{operation}: {what} on rank(s) {failed} (see their errors)")
 
 
 def _edge_error(comm: MPI.Intracomm, sources: list[int], destinations: list[int]):
@@ -382,8 +382,9 @@ def dist_graph_mpi_comm(
         destinations = _rank_list("destinations", destinations, size)
     except (TypeError, ValueError) as raised:
         error = raised
-    _agree(comm, error, "invalid sources or destinations")
-    _agree(comm, _edge_error(comm, sources, destinations), "an inconsistent graph")
+    _agree(comm, error, "create_dist_graph", "invalid sources or destinations")
+    error = _edge_error(comm, sources, destinations)
+    _agree(comm, error, "create_dist_graph", "an inconsistent graph")
     return comm.Create_dist_graph_adjacent(sources, destinations, reorder=bool(reorder))
 
 
@@ -393,9 +394,34 @@ def cartesian_mpi_comm(
     periods: Sequence[bool] | None = None,
     reorder: bool = False,
 ) -> MPI.Cartcomm:
-    """A new MPI Cartesian communicator over comm's ranks (see JaxComm.create_cart)."""
-    size = comm.Get_size()
-    dims = [int(d) for d in dims]
+    """A new MPI Cartesian communicator over comm's ranks (see JaxComm.create_cart).
+    Every rank checks its arguments, and that they are every other rank's, before
+    any creates it: MPI makes a grid of another shape on a rank that asks for
+    one, whose neighbour exchanges then wait for ever."""
+    jax.effects_barrier()  # no jaxcomm call may be running on XLA's threads meanwhile
+    grid, error = None, None
+    try:
+        grid = _grid(comm.Get_size(), dims, periods) + (bool(reorder),)
+    except (TypeError, ValueError) as raised:
+        error = raised
+    _agree(comm, error, "create_cart", "invalid dims or periods")
+    asked = comm.allgather(grid)
+    for rank, other in enumerate(asked):
+        if other != asked[0]:
+            raise ValueError(
+                f"create_cart: rank {rank} asks for dims {list(other[0])}, periods "
+                f"{list(other[1])}, reorder={other[2]} and rank 0 for dims {list(asked[0][0])}, "
+                f"periods {list(asked[0][1])}, reorder={asked[0][2]}: every rank must ask for "
+                "the same grid"
+            )
+    dims, periods, reorder = grid
+    return comm.Create_cart(list(dims), periods=list(periods), reorder=reorder)
+
+
+def _grid(size: int, dims: Sequence[int], periods: Sequence[bool] | None) -> tuple:
+    """(dims, periods) of a grid of `size` ranks, as tuples, zeros in dims filled
+    as MPI_Dims_create does; or an error naming what does not fit."""
+    dims = [operator.index(d) for d in dims]
     periods = [False] * len(dims) if periods is None else [bool(p) for p in periods]
     if len(periods) != len(dims):
         raise ValueError(f"create_cart: periods {periods} and dims {dims} differ in length")
@@ -405,5 +431,4 @@ def cartesian_mpi_comm(
     dims = MPI.Compute_dims(size, dims)  # fills zeros, like MPI_Dims_create
     if math.prod(dims) != size:
         raise ValueError(f"create_cart: dims {dims} do not multiply to size={size}")
-    jax.effects_barrier()  # no jaxcomm call may be running on XLA's threads meanwhile
-    return comm.Create_cart(dims, periods=periods, reorder=reorder)
+    return tuple(dims), tuple(periods)

@@ -69,6 +69,22 @@ def test_halo_exchange_grad_and_vmap(comm, periodic):
         np.testing.assert_array_equal(jax.jit(jax.vmap(exchange))(xs), loop)
 
 
+def test_a_grid_that_differs_between_ranks_is_refused_on_every_rank(comm):
+    """MPI would make the grid each rank asks for, and their neighbour exchanges
+    would then wait for each other for ever: every rank raises instead."""
+    if comm.size == 1:
+        pytest.skip("needs a second rank to differ from")
+    periods = [comm.rank != 1]
+    with pytest.raises(ValueError, match=r"rank 1 asks for dims \[\d+\], periods \[False\]"):
+        comm.create_cart([comm.size], periods)
+    dims = [comm.size + 1] if comm.rank == 1 else [comm.size]  # wrong on rank 1 only
+    which = "do not fit" if comm.rank == 1 else r"invalid dims or periods on rank\(s\) \[1\]"
+    with pytest.raises(ValueError, match=which):
+        comm.create_cart(dims)
+    with comm.create_cart([comm.size], [True]) as cart:  # the ranks are still in step
+        np.testing.assert_array_equal(cart.allreduce(jnp.ones(2)), np.full(2, comm.size))
+
+
 def test_halo_too_wide_raises(comm):
     with comm.create_cart([comm.size]) as cart:
         with pytest.raises(ValueError, match="width=2 halos do not fit"):
