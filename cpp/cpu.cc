@@ -135,6 +135,9 @@ NB_MODULE(_jaxcomm_cpu, m) {
   m.attr("reduce_op_names") = reduce_ops;
   m.def("unfinished_orphans", &jaxcomm::mpi::unfinished_orphans,
         "Drop every request still pending; how many MPI has not completed yet.");
+  m.def("in_flight", &jaxcomm::mpi::in_flight, nb::arg("comm_key"),
+        "How many requests posted on the communicator `comm_key` MPI has not completed, each "
+        "tested once.");
   m.def("mpi_library_version", &library_version,
         "MPI_Get_library_version of the libmpi this module is bound to.");
   m.def("mpi_initialized", &initialized,

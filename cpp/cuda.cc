@@ -34,6 +34,7 @@
 #include "lockstep.h"
 #include "memory.h"
 #include "operations.h"
+#include "requests.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -373,6 +374,8 @@ NB_MODULE(_jaxcomm_cuda, m) {
       "JAXCOMM_DEBUG, JAXCOMM_TIMEOUT and JAXCOMM_CUDA_AWARE, read by jaxcomm._settings.");
   m.def("register_comm", &jaxcomm::register_comm, nb::arg("key"), nb::arg("handle"));
   m.def("unregister_comm", &jaxcomm::unregister_comm, nb::arg("key"));
+  m.def("in_flight", &jaxcomm::mpi::in_flight, nb::arg("comm_key"),
+        "How many requests posted on the communicator `comm_key` MPI has not completed.");
   m.def(
       "share_lockstep", [](nb::capsule state) { jaxcomm::share(state.data()); }, nb::arg("state"),
       "Use the CPU module's lockstep state (lockstep.h): one for the process.");

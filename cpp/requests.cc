@@ -297,6 +297,25 @@ int unfinished_orphans() {
   return static_cast<int>(t.orphans.size());
 }
 
+int in_flight(int64_t comm_key) {
+  Table& t = table();
+  // MPI_Testall returns at once, so holding the table meanwhile delays no one.
+  std::lock_guard lock(t.mutex);
+  reap(t);
+  int left = 0;
+  for (auto& [key, pending] : t.pending) {
+    if (pending.comm_key != comm_key || pending.done) continue;
+    int flag = 0;
+    const int n = static_cast<int>(pending.requests.size());
+    // A failed request is over too: its wait reports the error.
+    const int code = test_all(n, pending.requests.data(), statuses_of(pending), &flag);
+    if (code == MPI_SUCCESS && flag == 0) ++left;
+    pending.done = code == MPI_SUCCESS && flag != 0;
+  }
+  for (const Pending& orphan : t.orphans) left += orphan.comm_key == comm_key ? 1 : 0;
+  return left;
+}
+
 ffi::Error test(const void* key, bool* done) {
   Table& t = table();
   // MPI_Testall returns at once, so holding the table meanwhile delays no one.

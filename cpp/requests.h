@@ -177,6 +177,13 @@ void abandon_compiled(int64_t run);
 // complete them.
 int unfinished_orphans();
 
+// How many requests posted on the communicator `comm_key` MPI has not completed
+// yet, each tested once (which drives MPI's progress): those not waited, and
+// orphans. A request found complete keeps its result and statuses for its wait.
+// Freeing a communicator while one is in flight crashes some MPI libraries
+// (Open MPI 5's non-blocking collectives), though the standard allows it.
+int in_flight(int64_t comm_key);
+
 }  // namespace jaxcomm::mpi
 
 #endif  // JAXCOMM_REQUESTS_H_

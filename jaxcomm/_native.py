@@ -84,5 +84,11 @@ def unregister_comm(key: int) -> None:
         module.unregister_comm(key)
 
 
+def in_flight(key: int) -> int:
+    """How many requests posted on the communicator `key` MPI has not completed,
+    waited or not, each tested once (each module keeps its own)."""
+    return sum(module.in_flight(key) for module in _modules)
+
+
 #: The platforms jaxcomm's operations lower to.
 PLATFORMS = ("cpu", "cuda") if cuda is not None else ("cpu",)

@@ -10,6 +10,7 @@ keeps the buffers of every message and waits for them all.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 from jax import core
 from mpi4py import MPI
 
-from jaxcomm import _eager, _fusion, _nonblocking
+from jaxcomm import _eager, _fusion, _native, _nonblocking
 from jaxcomm._dispatch import flatten
 from jaxcomm._eager import ONE_ARRAY
 from jaxcomm._jax_internals import at_top_level, current_trace
@@ -178,6 +179,21 @@ class Request:
         # MPI wrote NumPy results on the direct path: each becomes a jax.Array on
         # its leaf's device.
         return _eager.as_array(value, self._leaves[i]) if isinstance(value, np.ndarray) else value
+
+
+#: Seconds free() sleeps between looks at the requests still in flight on its
+#: communicator. Their peers have posted the matching operations (on that
+#: communicator, nothing can follow its free), so they end in about a message's
+#: time; a sleep leaves the core to the peer it waits for (ranks may share cores).
+_SETTLE_POLL_S = 1e-4
+
+
+def settle(comm_key: int) -> None:
+    """Returns once MPI has completed every request posted on the communicator
+    `comm_key`, waited or not, dropped or not: before the communicator is freed
+    (cpu.in_flight says why)."""
+    while _native.in_flight(comm_key):
+        time.sleep(_SETTLE_POLL_S)
 
 
 def drop_at_exit() -> None:

@@ -317,9 +317,12 @@ class JaxComm:
             graph.Free()
 
     def free(self) -> None:
-        """Free the MPI communicator (collective). The JaxComm is unusable after."""
+        """Free the MPI communicator (collective), once the operations posted on it
+        have completed: a request not yet waited keeps its result for its wait.
+        The JaxComm is unusable after."""
         jax.effects_barrier()
         if self._mpi != MPI.COMM_NULL:
+            _requests.settle(self._info.key)
             _native.unregister_comm(self._info.key)
             self._mpi.Free()
 

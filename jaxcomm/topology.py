@@ -304,6 +304,7 @@ class Graph(NeighborExchanges):
         """Free the MPI communicator and its reversed graph (collective)."""
         jax.effects_barrier()
         if self._reverse != MPI.COMM_NULL:
+            _requests.settle(self._neighborhood.reverse.key)
             _native.unregister_comm(self._neighborhood.reverse.key)
             self._reverse.Free()
         super().free()  # JaxComm's
