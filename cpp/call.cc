@@ -39,7 +39,15 @@ struct Watch {
   bool busy = false;
   std::string current, last = "none";
   Clock::time_point since;
+  // Tests of a request that found it pending, with no call between them (polled).
+  bool polling = false;
+  std::string polled;
+  Clock::time_point polling_since, polled_at;
 };
+
+// Tests further apart than this part of JAXCOMM_TIMEOUT are not one wait: the
+// rank did other work between them.
+constexpr double kPollGapPart = 0.5;
 
 Watch& watch() {
   static Watch w;
@@ -52,12 +60,17 @@ void watchdog_loop(double timeout) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     Watch& w = watch();
     std::unique_lock lock(w.mutex);
-    if (!w.busy || Clock::now() - w.since < limit) continue;
-    const double waited = std::chrono::duration<double>(Clock::now() - w.since).count();
+    const bool still_polling = w.polling && Clock::now() - w.polled_at <= limit * kPollGapPart;
+    const bool waiting = w.busy || still_polling;
+    const Clock::time_point since = w.busy ? w.since : w.polling_since;
+    if (!waiting || Clock::now() - since < limit) continue;
+    const double waited = std::chrono::duration<double>(Clock::now() - since).count();
     char timing[96];
     std::snprintf(timing, sizeof timing, " for %.1f s (JAXCOMM_TIMEOUT=%g)", waited, timeout);
-    std::string message = "jaxcomm watchdog: rank " + std::to_string(world_rank()) +
-                          " has been waiting in " + w.current + timing +
+    const std::string how = w.busy ? " has been waiting in " + w.current
+                                   : " has been polling " + w.polled + " with test()";
+    std::string message = "jaxcomm watchdog: rank " + std::to_string(world_rank()) + how + timing +
+                          (w.busy ? "" : ", making no other call") +
                           "; last completed call: " + w.last +
                           ". A peer has not made the matching call. Aborting the job.\n";
     lock.unlock();
@@ -122,6 +135,24 @@ Registered registered(int64_t key) {
 }  // namespace
 
 void configure(bool debug, double timeout) { current_settings = {debug, timeout}; }
+
+void polled(std::string_view operation, bool done) {
+  const double timeout = settings().timeout;
+  if (timeout <= 0) return;
+  start_watchdog();
+  Watch& w = watch();
+  std::lock_guard lock(w.mutex);
+  const Clock::time_point now = Clock::now();
+  const auto gap = std::chrono::duration<double>(timeout * kPollGapPart);
+  if (done) {
+    w.polling = false;
+  } else if (!w.polling || now - w.polled_at > gap) {
+    w.polling = true;
+    w.polled = std::string(operation);
+    w.polling_since = now;
+  }
+  w.polled_at = now;
+}
 
 void register_comm(int64_t key, int64_t handle) {
   const MPI_Comm comm = comm_from_handle(handle);
@@ -204,6 +235,7 @@ Call::Call(int64_t comm_key, bool check) : check_(check) {
     Watch& w = watch();
     std::lock_guard lock(w.mutex);
     w.busy = true;
+    w.polling = false;                    // the rank makes a call: it is not only polling
     w.current = std::string(operation_);  // refined as parameters arrive
     w.since = Clock::now();
   }

@@ -332,6 +332,7 @@ ffi::Error test(const void* key, bool* done) {
     pending.done = flag != 0;
   }
   *done = pending.done;
+  polled(pending.operation, pending.done);
   return ffi::Error::Success();
 }
 

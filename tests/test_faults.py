@@ -165,6 +165,77 @@ def test_watchdog_aborts_a_send_nobody_receives(tmp_path):
     ), result.stderr
 
 
+POLLS = {
+    "eager": """
+        request = comm.irecv(jnp.zeros(3), source=1, tag=3)
+        while not comm.test(request):
+            time.sleep(0.01)
+    """,
+    "jit": """
+        def poll(template):
+            request = comm.irecv(template, source=1, tag=3)
+            lax.while_loop(lambda done: ~done, lambda _: comm.test(request), comm.test(request))
+            return comm.wait(request)
+        jax.block_until_ready(jax.jit(poll)(jnp.zeros(3)))
+    """,
+}
+
+
+@pytest.mark.parametrize("how", POLLS)
+def test_watchdog_aborts_a_rank_that_only_polls_a_request(tmp_path, how):
+    """A loop of test() calls waits as a blocking wait does (the watchdog's
+    `polled`); rank 1 never sends."""
+    script = program(
+        tmp_path,
+        """
+        import time
+        import jax, jax.numpy as jnp
+        from jax import lax
+        from mpi4py import MPI
+        from jaxcomm import JaxComm
+        comm = JaxComm()
+        if comm.rank == 0:
+        """
+        + textwrap.indent(textwrap.dedent(POLLS[how]), " " * 12)
+        + """
+        MPI.COMM_WORLD.Barrier()
+        """,
+    )
+    result = run(2, [script], TIMEOUT, env={"JAXCOMM_TIMEOUT": "2", "JAXCOMM_DEBUG": "0"})
+    assert result.returncode != 0 and not killed_at_the_limit(result), result.stderr
+    assert re.search(
+        r"jaxcomm watchdog: rank 0 has been polling irecv with test\(\) for [\d.]+ s "
+        r"\(JAXCOMM_TIMEOUT=2\), making no other call; "
+        r"last completed call: irecv\(float(32|64)\[3\]\), source=1, tag=3",
+        result.stderr,
+    ), result.stderr
+
+
+def test_watchdog_lets_a_rank_poll_between_other_calls(tmp_path):
+    """A request tested between other calls, past the timeout, is not a hang: the
+    rank is at work; it completes once its peer sends."""
+    script = program(
+        tmp_path,
+        """
+        import time
+        import jax.numpy as jnp
+        from mpi4py import MPI
+        from jaxcomm import JaxComm
+        comm = JaxComm()
+        request = comm.irecv(jnp.zeros(3), source=1 - comm.rank, tag=3)
+        start, done = time.monotonic(), 0.0
+        while not done:  # every rank stops together, past twice the timeout
+            late = float(comm.rank == 0 and time.monotonic() - start > 4.0)
+            done = float(comm.allreduce(jnp.full(1, late))[0])
+            assert not comm.test(request)
+        comm.send(jnp.full(3, comm.rank + 1.0), dest=1 - comm.rank, tag=3)
+        print("received", comm.wait(request).tolist())
+        """,
+    )
+    outputs = rank_outputs(2, script, env={"JAXCOMM_TIMEOUT": "2", "JAXCOMM_DEBUG": "0"})
+    assert outputs == ["received [2.0, 2.0, 2.0]\n", "received [1.0, 1.0, 1.0]\n"], outputs
+
+
 def test_along_called_on_one_rank_only_aborts_past_the_timeout(tmp_path):
     # along is collective, like MPI_Comm_split: rank 0 calls it alone, and
     # JAXCOMM_TIMEOUT turns the wait for the others into an abort that says so.
