@@ -45,6 +45,12 @@ struct Watch {
   Clock::time_point polling_since, polled_at;
 };
 
+// Where jaxcomm runs inside shard_map over several processes, a peer may instead
+// wait in one of JAX's collectives that its program places elsewhere.
+constexpr const char* kElsewhereInShardMap =
+    ", or it waits in one of JAX's collectives that its compiled program places elsewhere among "
+    "jaxcomm's calls (docs/sharded.md, \"One program on every process\")";
+
 // Tests further apart than this part of JAXCOMM_TIMEOUT are not one wait: the
 // rank did other work between them.
 constexpr double kPollGapPart = 0.5;
@@ -69,10 +75,11 @@ void watchdog_loop(double timeout) {
     std::snprintf(timing, sizeof timing, " for %.1f s (JAXCOMM_TIMEOUT=%g)", waited, timeout);
     const std::string how = w.busy ? " has been waiting in " + w.current
                                    : " has been polling " + w.polled + " with test()";
-    std::string message = "jaxcomm watchdog: rank " + std::to_string(world_rank()) + how + timing +
-                          (w.busy ? "" : ", making no other call") +
-                          "; last completed call: " + w.last +
-                          ". A peer has not made the matching call. Aborting the job.\n";
+    std::string message =
+        "jaxcomm watchdog: rank " + std::to_string(world_rank()) + how + timing +
+        (w.busy ? "" : ", making no other call") + "; last completed call: " + w.last +
+        ". A peer has not made the matching call" +
+        (sharded_over_processes() ? kElsewhereInShardMap : "") + ". Aborting the job.\n";
     lock.unlock();
     end_job(message);
   }

@@ -215,6 +215,8 @@ void end_job(const std::string& message) {
 
 void end_job_when_out_of_step() { shared->end_job.store(true, std::memory_order_release); }
 
+bool sharded_over_processes() { return shared->end_job.load(std::memory_order_acquire); }
+
 bool in_step() { return !shared->diverged.load(std::memory_order_acquire); }
 
 ffi::Error refusal(std::string_view operation) {

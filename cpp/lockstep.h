@@ -98,6 +98,9 @@ void diverge_if_owed();
 // several processes, where a failed computation also skips JAX's own
 // collectives, which jaxcomm cannot refuse.
 void end_job_when_out_of_step();
+// Whether it has been called: this process runs jaxcomm operations inside
+// shard_map over several processes.
+bool sharded_over_processes();
 
 // Writes `message` to stderr and ends the job (MPI_Abort), after a pause that
 // lets the launcher forward the message.

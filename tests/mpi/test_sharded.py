@@ -618,6 +618,28 @@ def test_every_process_compiles_the_same_program(communicators, kind, check_vma)
     np.testing.assert_allclose(grad(0.7, x)[0], difference, rtol=1e-6)
 
 
+@pytest.mark.skipif(N == 1, reason="one process: one program")
+def test_a_graph_padded_to_one_degree_is_one_program_beside_psum(comm):
+    """docs/sharded.md: a star's neighbour exchanges are shaped by each rank's
+    degree, so the processes' programs differ (a psum beside their gradient hung);
+    padded with edges to itself, every rank's blocks have one shape: one program,
+    whose gradient counts each block once per edge."""
+    neighbours = list(range(1, N)) if RANK == 0 else [0] + [RANK] * (N - 2)
+    with comm.create_dist_graph(neighbours, neighbours) as star:
+
+        def per_device(x):
+            received = star.neighbor_alltoall(jnp.ones((N - 1, 1)) * x)
+            return received.sum(0) + lax.psum(x.sum(), "x")
+
+        body = jax.shard_map(per_device, mesh=MESH, in_specs=P("x"), out_specs=P("x"))
+        x = jax.make_array_from_process_local_data(NamedSharding(MESH, P("x")), block(RANK))
+        grad = jax.jit(jax.grad(lambda x: body(x).sum()))
+        same_program_everywhere(grad, x)
+        # Each element of x reaches N - 1 destinations, and every process's 3
+        # elements of the psum.
+        np.testing.assert_array_equal(np.asarray(grad(x).addressable_data(0)), np.full(3, 4 * N - 1))
+
+
 # -- order -----------------------------------------------------------------------------------
 
 
