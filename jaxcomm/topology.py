@@ -402,7 +402,7 @@ def cartesian_mpi_comm(
     jax.effects_barrier()  # no jaxcomm call may be running on XLA's threads meanwhile
     grid, error = None, None
     try:
-        grid = _grid(comm.Get_size(), dims, periods) + (bool(reorder),)
+        grid = (*_grid(comm.Get_size(), dims, periods), bool(reorder))
     except (TypeError, ValueError) as raised:
         error = raised
     _agree(comm, error, "create_cart", "invalid dims or periods")

@@ -637,7 +637,8 @@ def test_a_graph_padded_to_one_degree_is_one_program_beside_psum(comm):
         same_program_everywhere(grad, x)
         # Each element of x reaches N - 1 destinations, and every process's 3
         # elements of the psum.
-        np.testing.assert_array_equal(np.asarray(grad(x).addressable_data(0)), np.full(3, 4 * N - 1))
+        got = np.asarray(grad(x).addressable_data(0))
+        np.testing.assert_array_equal(got, np.full(3, 4 * N - 1))
 
 
 # -- order -----------------------------------------------------------------------------------
