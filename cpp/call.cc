@@ -73,8 +73,7 @@ void watchdog_loop(double timeout) {
     const double waited = std::chrono::duration<double>(Clock::now() - since).count();
     char timing[96];
     std::snprintf(timing, sizeof timing, " for %.1f s (JAXCOMM_TIMEOUT=%g)", waited, timeout);
-    const std::string how = w.busy ? " has been waiting in " + w.current
-                                   : " has been polling " + w.polled + " with test()";
+    const std::string how = w.busy ? " has been waiting in " + w.current : " has been " + w.polled;
     std::string message =
         "jaxcomm watchdog: rank " + std::to_string(world_rank()) + how + timing +
         (w.busy ? "" : ", making no other call") + "; last completed call: " + w.last +
@@ -143,7 +142,7 @@ Registered registered(int64_t key) {
 
 void configure(bool debug, double timeout) { current_settings = {debug, timeout}; }
 
-void polled(std::string_view operation, bool done) {
+void polled(std::string_view what, bool done) {
   const double timeout = settings().timeout;
   if (timeout <= 0) return;
   start_watchdog();
@@ -155,7 +154,7 @@ void polled(std::string_view operation, bool done) {
     w.polling = false;
   } else if (!w.polling || now - w.polled_at > gap) {
     w.polling = true;
-    w.polled = std::string(operation);
+    w.polled = std::string(what);
     w.polling_since = now;
   }
   w.polled_at = now;

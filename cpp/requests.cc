@@ -303,16 +303,24 @@ int in_flight(int64_t comm_key) {
   std::lock_guard lock(t.mutex);
   reap(t);
   int left = 0;
+  std::string_view first;  // for the watchdog: one of those still in flight
   for (auto& [key, pending] : t.pending) {
     if (pending.comm_key != comm_key || pending.done) continue;
     int flag = 0;
     const int n = static_cast<int>(pending.requests.size());
     // A failed request is over too: its wait reports the error.
     const int code = test_all(n, pending.requests.data(), statuses_of(pending), &flag);
-    if (code == MPI_SUCCESS && flag == 0) ++left;
     pending.done = code == MPI_SUCCESS && flag != 0;
+    if (code != MPI_SUCCESS || pending.done) continue;
+    ++left;
+    if (first.empty()) first = pending.operation;
   }
-  for (const Pending& orphan : t.orphans) left += orphan.comm_key == comm_key ? 1 : 0;
+  for (const Pending& orphan : t.orphans) {
+    if (orphan.comm_key != comm_key) continue;
+    ++left;
+    if (first.empty()) first = orphan.operation;
+  }
+  polled("waiting for " + std::string(first) + " before freeing its communicator", left == 0);
   return left;
 }
 
@@ -332,7 +340,7 @@ ffi::Error test(const void* key, bool* done) {
     pending.done = flag != 0;
   }
   *done = pending.done;
-  polled(pending.operation, pending.done);
+  polled("polling " + std::string(pending.operation) + " with test()", pending.done);
   return ffi::Error::Success();
 }
 

@@ -211,6 +211,31 @@ def test_watchdog_aborts_a_rank_that_only_polls_a_request(tmp_path, how):
     ), result.stderr
 
 
+def test_watchdog_aborts_a_free_that_waits_for_a_request_nobody_matches(tmp_path):
+    """free() lets the requests on its communicator complete first (rank 1 never
+    sends): a wait the watchdog reports as any other."""
+    script = program(
+        tmp_path,
+        """
+        import jax.numpy as jnp
+        from mpi4py import MPI
+        from jaxcomm import JaxComm
+        dup = JaxComm().dup()
+        if dup.rank == 0:
+            request = dup.irecv(jnp.zeros(3), source=1, tag=3)
+        dup.free()
+        MPI.COMM_WORLD.Barrier()
+        """,
+    )
+    result = run(2, [script], TIMEOUT, env={"JAXCOMM_TIMEOUT": "2", "JAXCOMM_DEBUG": "0"})
+    assert result.returncode != 0 and not killed_at_the_limit(result), result.stderr
+    assert re.search(
+        r"jaxcomm watchdog: rank 0 has been waiting for irecv before freeing its "
+        r"communicator for [\d.]+ s \(JAXCOMM_TIMEOUT=2\), making no other call",
+        result.stderr,
+    ), result.stderr
+
+
 def test_watchdog_lets_a_rank_poll_between_other_calls(tmp_path):
     """A request tested between other calls, past the timeout, is not a hang: the
     rank is at work; it completes once its peer sends."""
