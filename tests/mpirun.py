@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import progress
@@ -116,25 +115,18 @@ def run_tests(
 
 
 def run_watched(
-    command: list[str],
-    watched: Path,
-    stall: float,
-    env: dict[str, str] | None = None,
-    started: Callable[[subprocess.Popen], None] | None = None,
+    command: list[str], watched: Path, stall: float, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """Run `command` in environment `env` (None: this one) until it ends, or until
     nothing in `watched` (or below it) has changed for `stall` seconds: then the
     processes that wrote their ids there (a journal's "pid N" line) are asked for
     their stacks, and the command's process group is killed. The result's
-    `stalled` says why it was, else it is empty. `started(job)` is called with
-    the process once it is: its group is the command's, for ending it early."""
+    `stalled` says why it was, else it is empty."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         job = subprocess.Popen(
             command, stdout=out, stderr=err, text=True, env=env,
             start_new_session=True,
         )  # fmt: skip
-        if started is not None:
-            started(job)
         last, newest, stalled = time.monotonic(), newest_change(watched), ""
         while job.poll() is None:
             if (changed := newest_change(watched)) != newest:

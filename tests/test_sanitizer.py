@@ -4,13 +4,10 @@ UndefinedBehaviorSanitizer (CMake option JAXCOMM_SANITIZE, see CONTRIBUTING.md):
 a write out of bounds, a use after free or undefined behaviour ends the run with
 the sanitizer's report, where a plain build may pass over it or crash elsewhere."""
 
-import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -43,64 +40,27 @@ def sanitizer_environment(package: Path, logs: Path) -> dict[str, str]:
     }
 
 
-class SanitizedBuild:
-    """A sanitized jaxcomm built with this environment's CMake, nanobind and
-    jaxlib, installed alone into a folder that goes first on PYTHONPATH.
-
-    Started with the first test of a session that runs the sanitizer
-    (tests/conftest.py), on every core: it compiles while the tests before it
-    leave cores idle, their ranks waiting on messages. At the same priority as
-    they: at a lower one, a machine kept busy by other work would starve it."""
-
-    def __init__(self, folders: pytest.TempPathFactory):
-        self.package = folders.mktemp("sanitized")
-        self.build = folders.mktemp("sanitized-build")
-        self._result, self._error, self._job = None, None, None
-        self._done = threading.Thread(target=self._run, daemon=True)
-        self._done.start()
-
-    def _run(self) -> None:
-        command = [
-            *(sys.executable, "-m", "pip", "install", "-q"),
-            *("--no-deps", "--no-build-isolation", "--target", str(self.package)),
-            f"-Cbuild-dir={self.build}",
-            # nanobind strips Release modules unless told not to; the install step too.
-            *("-Ccmake.define.JAXCOMM_SANITIZE=ON", "-Cinstall.strip=false"),
-            str(HERE.parent),
-        ]
-        # CMake's Makefiles compile one file at a time unless told otherwise.
-        cores = str(len(os.sched_getaffinity(0)))
-        env = {"CMAKE_BUILD_PARALLEL_LEVEL": cores, **os.environ}
-        # Ended only when the build stops writing files: no step (a compile under
-        # ASan) takes ten minutes, however loaded the machine.
-        try:
-            self._result = run_watched(command, self.build, 600, env, started=self._started)
-        except Exception as error:  # raised in the test that waits for it
-            self._error = error
-
-    def _started(self, job: subprocess.Popen) -> None:
-        self._job = job
-
-    def stop(self) -> None:
-        """Ends the build if it still runs (the session ended first): it runs in a
-        session of its own, which a Ctrl-C at the terminal does not reach."""
-        if self._done.is_alive() and self._job is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._job.pid, signal.SIGKILL)
-        self._done.join()
-
-    def wait(self) -> Path:
-        """The installed package's folder, once built; fails the test if the build did."""
-        self._done.join()
-        if self._error is not None:
-            raise self._error
-        assert self._result.returncode == 0, self._result.stdout + self._result.stderr
-        return self.package
-
-
 @pytest.fixture(scope="module")
-def sanitized(sanitizer_build) -> Path:
-    return sanitizer_build.wait()
+def sanitized(tmp_path_factory) -> Path:
+    """A sanitized jaxcomm installed alone into a folder that goes first on
+    PYTHONPATH, built with this environment's CMake, nanobind and jaxlib."""
+    package = tmp_path_factory.mktemp("sanitized")
+    build = tmp_path_factory.mktemp("sanitized-build")
+    command = [
+        *(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"),
+        *("--target", str(package), f"-Cbuild-dir={build}"),
+        # nanobind strips Release modules unless told not to; the install step too.
+        *("-Ccmake.define.JAXCOMM_SANITIZE=ON", "-Cinstall.strip=false"),
+        str(HERE.parent),
+    ]
+    # CMake's Makefiles compile one file at a time unless told otherwise.
+    cores = str(len(os.sched_getaffinity(0)))
+    env = {"CMAKE_BUILD_PARALLEL_LEVEL": cores, **os.environ}
+    # Ended only when the build stops writing files: no step (a compile under ASan)
+    # takes ten minutes, however loaded the machine.
+    result = run_watched(command, build, stall=600, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return package
 
 
 def reports(logs: Path) -> tuple[str, str]:
