@@ -142,7 +142,8 @@ Registered registered(int64_t key) {
 
 void configure(bool debug, double timeout) { current_settings = {debug, timeout}; }
 
-void polled(std::string_view what, bool done) {
+void polled(std::string_view before, std::string_view operation, std::string_view after,
+            bool done) {
   const double timeout = settings().timeout;
   if (timeout <= 0) return;
   start_watchdog();
@@ -154,7 +155,7 @@ void polled(std::string_view what, bool done) {
     w.polling = false;
   } else if (!w.polling || now - w.polled_at > gap) {
     w.polling = true;
-    w.polled = std::string(what);
+    w.polled.assign(before).append(" ").append(operation).append(" ").append(after);
     w.polling_since = now;
   }
   w.polled_at = now;

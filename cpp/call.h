@@ -40,12 +40,13 @@ void unregister_comm(int64_t key);
 // MPI operations started by handlers so far in this process.
 uint64_t call_count();
 
-// A look at a pending operation found it `done`, or not: `what` says which and
-// how ("polling irecv with test()"). A rank that only looks at requests, making no
-// other call, for the watchdog's time waits in them as in a blocking wait: the
-// watchdog reports it (JAXCOMM_TIMEOUT). Any call the rank makes meanwhile, or
-// a look that finds its request done, restarts that.
-void polled(std::string_view what, bool done);
+// A look at a pending `operation` found it `done`, or not; the watchdog's report
+// says "<before> <operation> <after>" ("polling irecv with test()"). A rank that
+// only looks at requests, making no other call, for the watchdog's time waits
+// in them as in a blocking wait: the watchdog reports it (JAXCOMM_TIMEOUT). Any
+// call the rank makes meanwhile, or a look that finds its request done,
+// restarts that. Without the watchdog, it returns at once.
+void polled(std::string_view before, std::string_view operation, std::string_view after, bool done);
 
 // The name of a reduction operator, as jaxcomm._datatypes.ReduceOp's in lower case:
 // "sum", "prod", ...; "?" otherwise.

@@ -320,7 +320,7 @@ int in_flight(int64_t comm_key) {
     ++left;
     if (first.empty()) first = orphan.operation;
   }
-  polled("waiting for " + std::string(first) + " before freeing its communicator", left == 0);
+  polled("waiting for", first, "before freeing its communicator", left == 0);
   return left;
 }
 
@@ -340,7 +340,7 @@ ffi::Error test(const void* key, bool* done) {
     pending.done = flag != 0;
   }
   *done = pending.done;
-  polled("polling " + std::string(pending.operation) + " with test()", pending.done);
+  polled("polling", pending.operation, "with test()", pending.done);
   return ffi::Error::Success();
 }
 
