@@ -191,7 +191,7 @@ _SETTLE_POLL_S = 1e-4
 def settle(comm_key: int) -> None:
     """Returns once MPI has completed every request posted on the communicator
     `comm_key`, waited or not, dropped or not: before the communicator is freed
-    (cpu.in_flight says why)."""
+    (in_flight in cpp/requests.h says why)."""
     while _native.in_flight(comm_key):
         time.sleep(_SETTLE_POLL_S)
 
