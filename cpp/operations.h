@@ -1,5 +1,5 @@
 // jaxcomm's operations, from each family's table: reductions.h, collectives.h,
-// variable_size.h, p2p.h, replicated.h (blocking) and nonblocking.h, each
+// variable_size.h, p2p.h, replicated.h, structure.h (blocking) and nonblocking.h, each
 // declaring its host functions (defined in the .cc of the same name) and listing
 // them as rows X(name, function, binding, attributes):
 // - the FFI target is "jaxcomm_<name>" on every platform;
@@ -23,6 +23,7 @@
 #include "p2p.h"
 #include "reductions.h"
 #include "replicated.h"
+#include "structure.h"
 #include "variable_size.h"
 
 #define JAXCOMM_OPERATIONS(X, base, A) \
@@ -30,7 +31,8 @@
   JAXCOMM_COLLECTIVES(X, base, A)      \
   JAXCOMM_VARIABLE_SIZE(X, base, A)    \
   JAXCOMM_P2P(X, base, A)              \
-  JAXCOMM_REPLICATED(X, base, A)
+  JAXCOMM_REPLICATED(X, base, A)       \
+  JAXCOMM_STRUCTURE(X, base, A)
 
 #define JAXCOMM_NONBLOCKING_OPERATIONS(X, base, A) \
   JAXCOMM_NONBLOCKING(X, base, A)                  \

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomm import _eager, _fusion
+from jaxcomm import _eager, _fusion, _structure
 from jaxcomm._eager import ONE_ARRAY
 from jaxcomm._fusion import Params
 from jaxcomm._jax_internals import ArrayImpl, at_top_level
@@ -42,6 +42,7 @@ def apply(
     primitive.check_params(params, comm)
     items = tuple(params.items())
     leaves, tree = flatten(x)
+    agree_on_structure(primitive, x, tree, comm)
     done = _eager.repeat(primitive, leaves, tree, comm, items)
     if done is not None:  # an earlier call like this one passed the checks below
         return done
@@ -100,6 +101,17 @@ def apply_to_arrays(
     if _eager.can_run([a for a in arrays if not isinstance(a, np.ndarray)]):
         return _eager.run_arrays(primitive, arrays, comm, tuple(params.items()), key)
     return primitive.bind(*arrays, comm=comm, **params)
+
+
+def agree_on_structure(primitive: CommPrimitive, x: Any, tree: Any, comm: CommInfo) -> None:
+    """In checking mode, before a collective on pytree x (of structure `tree`):
+    every rank's x must have the same leaves' paths, or every rank raises
+    (jaxcomm._structure)."""
+    if comm.check and _structure.compared(primitive, tree):
+        structure = _structure.describe(x)
+        run_alone(
+            _structure.check_structure_p, comm, operation=primitive.operation, structure=structure
+        )
 
 
 def run_alone(primitive, comm, **params: Any) -> None:

@@ -22,7 +22,7 @@ from jax import core
 from mpi4py import MPI
 
 from jaxcomm import _eager, _fusion, _native, _nonblocking
-from jaxcomm._dispatch import flatten
+from jaxcomm._dispatch import agree_on_structure, flatten
 from jaxcomm._eager import ONE_ARRAY
 from jaxcomm._jax_internals import at_top_level, current_trace
 from jaxcomm._native import cpu
@@ -262,6 +262,7 @@ def post(
     start_p.check_params(params, comm)
     items = tuple(params.items())
     leaves, tree = flatten(x)
+    agree_on_structure(start_p, x, tree, comm)
     found = _eager.repeat(start_p, leaves, tree, comm, items) if tree is ONE_ARRAY else None
     if found is not None:  # an earlier post like this one passed the checks below
         first, rest = found

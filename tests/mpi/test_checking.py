@@ -92,6 +92,69 @@ def test_leaves_that_differ_but_add_up_alike_are_caught(checked, name, jit):
     assert_values(checked.allreduce(jnp.ones(2, F32)), np.full(2, checked.size, F32))
 
 
+# A pytree's leaves pair across ranks by position: a pytree whose leaves differ in
+# number or names from its peers' must raise on every rank, also where the peers'
+# next call is shaped like its extra leaf. Rank 0's (pytree, what it names) and
+# the others' (pytree, what rank 1's call is called in the error).
+STRUCTURES = {
+    "extra_leaf": (
+        lambda x: (x, x),
+        r"pytree=2 leaves #\w+: \[0\], \[1\]",
+        lambda x: (x,),
+        r"pytree=1 leaf #\w+: \[0\]",
+    ),
+    "other_names": (
+        lambda x: {"b": x, "w": x},
+        r"pytree=2 leaves #\w+: \['b'\], \['w'\]",
+        lambda x: {"c": x, "w": x},
+        r"pytree=2 leaves #\w+: \['c'\], \['w'\]",
+    ),
+    "lone_array": (
+        lambda x: {"w": x},
+        r"pytree=1 leaf #\w+: \['w'\]",
+        lambda x: x,
+        r"float32\[3\]",
+    ),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", SPLIT_LEAVES)
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_pytrees_whose_structure_differs_are_caught(checked, name, structure, jit):
+    needs_ranks(checked, 2)
+    first, first_named, other, other_named = STRUCTURES[structure]
+    call = partial(SPLIT_LEAVES[name], checked)
+    x = jnp.arange(3, dtype=F32)
+
+    def step(x):
+        if checked.rank == 0:
+            return call(first(x))
+        # The peers' next call is alike: without the check, rank 0's extra leaf
+        # would pair with it silently.
+        return call(other(x)), call(x)
+
+    pattern = (
+        rf"rank 1 called {name}\({other_named}.*\) while rank 0 called {name}\({first_named}\)"
+    )
+    with pytest.raises(Exception, match=pattern):
+        jax.block_until_ready((jax.jit(step) if jit else step)(x))
+    # Every rank raised at the same call: the communicator goes on in step.
+    assert_values(checked.allreduce(jnp.ones(2, F32)), np.full(2, checked.size, F32))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", SPLIT_LEAVES)
+def test_pytrees_of_one_structure_give_normal_results(checked, name, jit):
+    call = partial(SPLIT_LEAVES[name], checked)
+    x = {"b": jnp.full(2, checked.rank + 1.0, F32), "w": [jnp.arange(3, dtype=F32)]}
+    got = (jax.jit(call) if jit else call)(x)
+    ranks = np.arange(checked.size) + 1.0
+    reduced = "allreduce" in name
+    assert_values(got["b"], np.full(2, ranks.sum() if reduced else 1.0, F32))
+    assert_values(got["w"][0], np.arange(3, dtype=F32) * (checked.size if reduced else 1))
+
+
 def test_root_and_op_mismatch(checked):
     needs_ranks(checked, 2)
     x = jnp.ones(2, F32)

@@ -148,10 +148,11 @@ def test_the_cpp_and_python_declarations_agree():
     if _native.cuda is not None:
         blocking = declared - set(_nonblocking.OPERATIONS)
         assert set(_native.cuda.registrations()) == {f"jaxcomm_{n}" for n in blocking | guard}
-    # Every operation but those the AD rules use is a method and a module function,
-    # whose signature names every parameter the operation declares a check for.
+    # Every operation but those the AD rules and checking mode use is a method and a
+    # module function, whose signature names every parameter the operation declares
+    # a check for.
     # The neighbour collectives are methods of CartComm and GraphComm only.
-    public = declared - {"tagged_sendrecv", "itagged_send", "check_replicated"}
+    public = declared - {"tagged_sendrecv", "itagged_send", "check_replicated", "check_structure"}
     grid = {name for name in declared if "neighbor_" in name}
     for name in public:
         for owner in (CartComm, GraphComm) if name in grid else (JaxComm,):

@@ -274,6 +274,23 @@ MUTATIONS = [
         "in checking mode small leaves still travel as one message: leaves that differ between "
         "ranks but add up alike pair silently",
     ),
+    Mutation(
+        "structure-unchecked",
+        "jaxcomm/_dispatch.py",
+        "if comm.check and _structure.compared(primitive, tree):",
+        "if False:",
+        ("checking",),
+        "in checking mode pytrees whose leaves differ in number or names between ranks pair "
+        "leaf by leaf, silently where the shapes agree",
+    ),
+    Mutation(
+        "posted-structure-unchecked",
+        "jaxcomm/_requests.py",
+        "    agree_on_structure(start_p, x, tree, comm)\n",
+        "",
+        ("checking",),
+        "the same for non-blocking posts",
+    ),
 ]
 
 
