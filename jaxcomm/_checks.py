@@ -180,6 +180,17 @@ def check_reduction(operation: str, op: ReduceOp, dtype: np.dtype) -> None:
     )
 
 
+def given(operation: str, x: Any) -> None:
+    """x is something to send or a template, not None: mpi4py's methods take None
+    where only the root's object is read, which as a pytree holds no array, so a
+    rank would make no call while its peers wait in theirs."""
+    if x is None:
+        raise ValueError(
+            f"{operation}: x is None; every rank passes an array or a pytree of arrays "
+            "(where only the root's values are read, one of the same shape and dtype)"
+        )
+
+
 def arrays(operation: str, leaves: list[Any], op: ReduceOp | None = None) -> list[jax.Array]:
     """A pytree's `leaves` as arrays, if `operation` can move (or, with `op`,
     reduce) each one's dtype and they are on one platform."""

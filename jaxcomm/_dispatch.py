@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomm import _eager, _fusion, _structure
+from jaxcomm import _checks, _eager, _fusion, _structure
 from jaxcomm._eager import ONE_ARRAY
 from jaxcomm._fusion import Params
 from jaxcomm._jax_internals import ArrayImpl, at_top_level
@@ -39,6 +39,7 @@ def apply(
     it declares them; small leaves together where it is element-wise. Returns the
     results in x's structure, and the other results of the last message (a
     receive's status)."""
+    _checks.given(primitive.operation, x)
     primitive.check_params(params, comm)
     items = tuple(params.items())
     leaves, tree = flatten(x)
@@ -108,7 +109,7 @@ def agree_on_structure(primitive: CommPrimitive, x: Any, tree: Any, comm: CommIn
     every rank's x must have the same leaves' paths, or every rank raises
     (jaxcomm._structure)."""
     if comm.check and _structure.compared(primitive, tree):
-        structure = _structure.describe(x)
+        structure = _structure.describe(x, tree)
         run_alone(
             _structure.check_structure_p, comm, operation=primitive.operation, structure=structure
         )

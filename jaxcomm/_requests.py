@@ -21,7 +21,7 @@ import numpy as np
 from jax import core
 from mpi4py import MPI
 
-from jaxcomm import _eager, _fusion, _native, _nonblocking
+from jaxcomm import _checks, _eager, _fusion, _native, _nonblocking
 from jaxcomm._dispatch import agree_on_structure, flatten
 from jaxcomm._eager import ONE_ARRAY
 from jaxcomm._jax_internals import at_top_level, current_trace
@@ -259,6 +259,7 @@ def post(
     """Post `operation` on x, with `params` checked as its start declares them;
     small leaves together where it is element-wise."""
     start_p = _nonblocking.OPERATIONS[operation].start
+    _checks.given(operation, x)
     start_p.check_params(params, comm)
     items = tuple(params.items())
     leaves, tree = flatten(x)

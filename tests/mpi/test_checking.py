@@ -92,10 +92,24 @@ def test_leaves_that_differ_but_add_up_alike_are_caught(checked, name, jit):
     assert_values(checked.allreduce(jnp.ones(2, F32)), np.full(2, checked.size, F32))
 
 
+class Ordered:
+    """A user's container registered without keys, whose leaves' order is its
+    static data's (its dict's insertion order)."""
+
+    def __init__(self, named: dict):
+        self.named = named
+
+
+jax.tree_util.register_pytree_node(
+    Ordered,
+    lambda o: (list(o.named.values()), tuple(o.named)),
+    lambda names, leaves: Ordered(dict(zip(names, leaves, strict=True))),
+)
+
 # A pytree's leaves pair across ranks by position: a pytree whose leaves differ in
-# number or names from its peers' must raise on every rank, also where the peers'
-# next call is shaped like its extra leaf. Rank 0's (pytree, what it names) and
-# the others' (pytree, what rank 1's call is called in the error).
+# number, names or order from its peers' must raise on every rank, also where the
+# peers' next call is shaped like its extra leaf. Rank 0's (pytree, what it is
+# called in the error) and the others' (the same).
 STRUCTURES = {
     "extra_leaf": (
         lambda x: (x, x),
@@ -114,6 +128,19 @@ STRUCTURES = {
         r"pytree=1 leaf #\w+: \['w'\]",
         lambda x: x,
         r"float32\[3\]",
+    ),
+    "no_leaves": (
+        lambda x: (),
+        r"pytree=0 leaves #\w+",
+        lambda x: (x,),
+        r"pytree=1 leaf #\w+: \[0\]",
+    ),
+    # The paths are positions alike; the static data says the order differs.
+    "order_without_keys": (
+        lambda x: Ordered({"w": x, "b": 2 * x}),
+        r"pytree=2 leaves #\w+: \[0\], \[1\]",
+        lambda x: Ordered({"b": 2 * x, "w": x}),
+        r"pytree=2 leaves #\w+: \[0\], \[1\]",
     ),
 }
 
@@ -153,6 +180,27 @@ def test_pytrees_of_one_structure_give_normal_results(checked, name, jit):
     reduced = "allreduce" in name
     assert_values(got["b"], np.full(2, ranks.sum() if reduced else 1.0, F32))
     assert_values(got["w"][0], np.arange(3, dtype=F32) * (checked.size if reduced else 1))
+
+
+@pytest.mark.parametrize("name", SPLIT_LEAVES)
+def test_keys_held_equal_are_one_structure(checked, name):
+    """Keys that Python holds equal are one key, however each process writes them."""
+    key = [np.int64(1), 1.0, True][min(checked.rank, 2)]
+    group = frozenset([1, 9] if checked.rank == 0 else [9, 1])  # its text: {1, 9} or {9, 1}
+    x = ({key: jnp.full(2, checked.rank + 1.0, F32)}, {group: jnp.arange(3, dtype=F32)})
+    first, second = partial(SPLIT_LEAVES[name], checked)(x)
+    ranks = np.arange(checked.size) + 1.0
+    reduced = "allreduce" in name
+    assert_values(next(iter(first.values())), np.full(2, ranks.sum() if reduced else 1.0, F32))
+    assert_values(second[group], np.arange(3, dtype=F32) * (checked.size if reduced else 1))
+
+
+def test_none_is_refused_on_the_rank_that_passes_it(checked):
+    """mpi4py's None off the root holds no array: refused before any call."""
+    for call in (checked.bcast, checked.allreduce, checked.ibcast):
+        with pytest.raises(ValueError, match=r"(bcast|allreduce): x is None"):
+            call(None)
+    assert_values(checked.allreduce(jnp.ones(2, F32)), np.full(2, checked.size, F32))
 
 
 def test_root_and_op_mismatch(checked):

@@ -291,6 +291,24 @@ MUTATIONS = [
         ("checking",),
         "the same for non-blocking posts",
     ),
+    Mutation(
+        "structure-without-static-data",
+        "jaxcomm/_structure.py",
+        "            found.append(_plain(data[1]))\n",
+        "",
+        ("checking",),
+        "only the leaves' paths are compared: a custom node without keys whose leaves' order "
+        "differs between ranks pairs them silently",
+    ),
+    Mutation(
+        "structure-keys-as-written",
+        "jaxcomm/_structure.py",
+        'return f"[{_plain(key.key)}]"',
+        'return f"[{key.key!r}]"',
+        ("checking",),
+        "dict keys compared as each process writes them: keys Python holds equal (1, 1.0, "
+        "np.int64(1)) raise a false mismatch",
+    ),
 ]
 
 
