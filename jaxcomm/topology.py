@@ -336,15 +336,20 @@ def _rank_list(argument: str, value: Any, size: int) -> list[int]:
     return ranks
 
 
-def _agree(comm: MPI.Intracomm, error: Exception | None, operation: str, what: str) -> None:
+def _agree(
+    comm: MPI.Intracomm, error: Exception | None, operation: str, what: str, value: Any = None
+) -> list[Any]:
     """Raise `error` on the ranks that have one and an error naming them on the
     others, if any rank has one: so that no rank enters a collective call that
-    the others have left."""
-    failed = [rank for rank, bad in enumerate(comm.allgather(error is not None)) if bad]
+    the others have left. Else every rank's `value`, in rank order (one
+    allgather for both)."""
+    gathered = comm.allgather((error is not None, value))
     if error is not None:
         raise error
+    failed = [rank for rank, (bad, _) in enumerate(gathered) if bad]
     if failed:
         raise ValueError(f"{operation}: {what} on rank(s) {failed} (see their errors)")
+    return [value for _, value in gathered]
 
 
 def _edge_error(comm: MPI.Intracomm, sources: list[int], destinations: list[int]):
@@ -405,8 +410,7 @@ def cartesian_mpi_comm(
         grid = (*_grid(comm.Get_size(), dims, periods), bool(reorder))
     except (TypeError, ValueError) as raised:
         error = raised
-    _agree(comm, error, "create_cart", "invalid dims or periods")
-    asked = comm.allgather(grid)
+    asked = _agree(comm, error, "create_cart", "invalid dims or periods", grid)
     for rank, other in enumerate(asked):
         if other != asked[0]:
             raise ValueError(
