@@ -4,9 +4,16 @@ GLOBAL function: every rank's input perturbed, the real distributed op evaluated
 A case's loss is replicated (the same function of a replicated result on every
 rank: the gradient convention) or per-rank (the global loss is the sum over
 ranks of each rank's own loss).
+
+Each case's finite differences are taken once, element by element of every
+rank's x (Case.jacobian), and the first-order tests read their expectations from
+them: grad, jacrev, jvp and jacfwd each check every element of their result
+against every element of every rank's input, as when each test took its own
+differences. On 3 ranks that is 36 evaluations of a case instead of 86 (grad's
+and jacrev's 36 each, jvp's 2 and jacfwd's 12), and no allreduce per evaluation.
 """
 
-from functools import partial
+from functools import cached_property, partial
 
 import jax
 import jax.numpy as jnp
@@ -200,30 +207,28 @@ STANDALONE_PAIRS = {
 }
 
 
+def loss_weights(comm, name, shape):
+    """A rank's loss is sum(sin(y) * weights): weights that differ by element, and
+    by rank where the loss is per-rank, so that no two cotangents are alike."""
+    offset = 0.0 if CASES[name][1] else float(comm.rank)
+    return 1.0 + offset + 0.25 * np.arange(int(np.prod(shape))).reshape(shape)
+
+
 def local_loss(comm, name):
-    fn, replicated = CASES[name]
-    offset = 0.0 if replicated else float(comm.rank)
+    fn = CASES[name][0]
 
     def loss(x):
         y = fn(comm, x)
-        weights = 1.0 + offset + 0.25 * jnp.arange(y.size).reshape(y.shape)
-        return jnp.sum(jnp.sin(y) * weights)
+        return jnp.sum(jnp.sin(y) * loss_weights(comm, name, y.shape))
 
     return loss
 
 
-def finite_difference_jacobian(comm, g, replicated, x):
-    """d(global g)/d(this rank's x), perturbing one element of one rank at a time.
-
-    The global value of g is g itself if replicated, else the sum over ranks.
-    """
-    g = jax.jit(g)
-
-    def global_value(x):
-        value = np.asarray(g(x))
-        return value if replicated else comm.mpi.allreduce(value)
-
-    columns = {}
+def local_jacobian(comm, g, x):
+    """d(this rank's g(x))/d(element i of rank r's x), shaped g(x).shape + (size,)
+    + x.shape: central differences, one element of one rank perturbed at a time,
+    every rank evaluating g (2 * size * x.size evaluations; g is best jitted)."""
+    columns = []
     for owner in range(comm.size):
         for i in np.ndindex(x.shape):
             values = []
@@ -231,12 +236,75 @@ def finite_difference_jacobian(comm, g, replicated, x):
                 xp = x.copy()
                 if comm.rank == owner:
                     xp[i] += sign * EPS
-                values.append(global_value(xp))
-            if comm.rank == owner:
-                columns[i] = (values[0] - values[1]) / (2 * EPS)
-    return np.stack([columns[i] for i in np.ndindex(x.shape)], -1).reshape(
-        columns[(0,) * x.ndim].shape + x.shape
-    )
+                values.append(np.asarray(g(xp)))
+            columns.append((values[0] - values[1]) / (2 * EPS))
+    return np.stack(columns, -1).reshape((*columns[0].shape, comm.size, *x.shape))
+
+
+def jacobian_of_global(comm, jacobian, replicated, x):
+    """From local_jacobian: d(global g)/d(this rank's x), shaped g(x).shape + x.shape.
+    The global value of g is g itself if replicated, else the sum over ranks (which
+    needs g(x) shaped alike on every rank)."""
+    total = jacobian if replicated else comm.mpi.allreduce(jacobian)
+    return np.take(total, comm.rank, axis=jacobian.ndim - 1 - x.ndim)
+
+
+def finite_difference_jacobian(comm, g, replicated, x):
+    """d(global g)/d(this rank's x) by finite differences (see local_jacobian)."""
+    return jacobian_of_global(comm, local_jacobian(comm, jax.jit(g), x), replicated, x)
+
+
+class Case:
+    """One case of CASES on comm, at x = data(rank, size): its jitted function,
+    the jitted gradient of its loss and its Jacobian by finite differences, each
+    made when a test first needs it and kept for the module's other tests (the
+    differences are most of the first-order tests' evaluations). Every rank runs
+    the same tests in the same order, so each makes them at the same test and
+    their evaluations pair up."""
+
+    def __init__(self, comm, name):
+        self.comm, self.name = comm, name
+        self.replicated = CASES[name][1]
+        self.x = data(comm.rank, comm.size)
+
+    @cached_property
+    def fn(self):
+        return jax.jit(partial(CASES[self.name][0], self.comm))
+
+    @cached_property
+    def grad(self):
+        return jax.jit(jax.grad(local_loss(self.comm, self.name)))
+
+    @cached_property
+    def jacobian(self):
+        """d(this rank's result)/d(each element of each rank's x): local_jacobian."""
+        return local_jacobian(self.comm, self.fn, self.x)
+
+    @cached_property
+    def expected_grad(self):
+        """d(global loss)/d(this rank's x): the chain rule through the Jacobian, the
+        loss's own derivative (cos(y) * weights) taken exactly. Central differences
+        of the global loss approximate the same sum; here each rank's part of it is
+        taken apart, so a wrong cotangent on any rank, or sent to the wrong rank,
+        shows in the element it reaches."""
+        y = np.asarray(self.fn(self.x))
+        outer = np.cos(y) * loss_weights(self.comm, self.name, y.shape)
+        # (size, *x.shape): d(this rank's loss)/d(rank r's x), for every r.
+        per_rank = np.tensordot(outer, self.jacobian, axes=y.ndim)
+        total = per_rank if self.replicated else self.comm.mpi.allreduce(per_rank)
+        return total[self.comm.rank]
+
+
+@pytest.fixture(scope="module")
+def cases(comm):
+    made = {}
+
+    def case(name):
+        if name not in made:
+            made[name] = Case(comm, name)
+        return made[name]
+
+    return case
 
 
 def skip_beyond_three_ranks(comm):
@@ -246,48 +314,54 @@ def skip_beyond_three_ranks(comm):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_grad_matches_finite_differences(comm, name):
+def test_grad_matches_finite_differences(comm, cases, name):
+    """Every element of every rank's gradient, eager and jitted."""
     skip_beyond_three_ranks(comm)
-    x = data(comm.rank, comm.size)
+    case = cases(name)
     loss = local_loss(comm, name)
-    expected = finite_difference_jacobian(comm, loss, CASES[name][1], x)
-    np.testing.assert_allclose(jax.grad(loss)(x), expected, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(jax.jit(jax.grad(loss))(x), expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(jax.grad(loss)(case.x), case.expected_grad, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(case.grad(case.x), case.expected_grad, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_jacrev_matches_finite_differences(comm, name):
+def test_jacrev_matches_finite_differences(comm, cases, name):
+    """The whole Jacobian of the global result: every output against every element
+    of this rank's x (the batched transposes, where grad checks one cotangent)."""
     skip_beyond_three_ranks(comm)
     if name in ("gather", "gatherv") and comm.size > 1:
         pytest.skip("jacrev batches over outputs: gather's output size differs by rank")
     if (name in PAIRS and comm.size > 1) or name in STANDALONE_PAIRS:
         pytest.skip("jacrev through send and recv is refused (test_derivatives_of_a_...)")
-    fn, replicated = CASES[name]
-    x = data(comm.rank, comm.size)
-    expected = finite_difference_jacobian(comm, lambda x: fn(comm, x), replicated, x)
-    np.testing.assert_allclose(
-        jax.jit(jax.jacrev(lambda x: fn(comm, x)))(x), expected, rtol=1e-6, atol=1e-7
-    )
+    case = cases(name)
+    expected = jacobian_of_global(comm, case.jacobian, case.replicated, case.x)
+    fn = partial(CASES[name][0], comm)
+    np.testing.assert_allclose(jax.jit(jax.jacrev(fn))(case.x), expected, rtol=1e-6, atol=1e-7)
+
+
+def tangents(size):
+    """Each rank's tangent of test_jvp_...: every rank's, as every rank knows them."""
+    return np.stack([data(r, size, phase=1.0) - 0.5 for r in range(size)])
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_jvp_and_jacfwd_match_finite_differences(comm, name):
-    fn = jax.jit(lambda x: CASES[name][0](comm, x))
-    x = data(comm.rank, comm.size)
-    t = data(comm.rank, comm.size, phase=1.0) - 0.5  # every rank moves at once
-    y, dy = jax.jvp(fn, (x,), (t,))
-    numeric = (fn(x + EPS * t) - fn(x - EPS * t)) / (2 * EPS)
-    np.testing.assert_allclose(y, fn(x))
-    np.testing.assert_allclose(dy, numeric, rtol=1e-6, atol=1e-7)
+def test_jvp_and_jacfwd_match_finite_differences(comm, cases, name):
+    """jvp with every rank moving at once, each in its own direction, and every
+    column of jacfwd, against the Jacobian: each output element of this rank."""
+    case = cases(name)
+    everyone = tangents(comm.size)
+    y, dy = jax.jvp(case.fn, (case.x,), (everyone[comm.rank],))
+    np.testing.assert_allclose(y, case.fn(case.x))
+    # The derivative along every rank's tangent at once: the Jacobian's columns,
+    # each weighted by its rank's tangent element (what differences along the
+    # tangents approximate).
+    expected = np.tensordot(case.jacobian, everyone, axes=1 + case.x.ndim)
+    np.testing.assert_allclose(dy, expected, rtol=1e-6, atol=1e-7)
     if name in SOME_CONSTANT:
         return  # jacfwd batches the tangents, not a constant's zero (test_jacfwd_...)
-    # Column i of jacfwd: every rank moves its element i at once.
-    jacobian = jax.jacfwd(fn)(x)
-    for i in np.ndindex(x.shape):
-        e = np.zeros_like(x)
-        e[i] = EPS
-        column = (fn(x + e) - fn(x - e)) / (2 * EPS)
-        np.testing.assert_allclose(jacobian[(..., *i)], column, rtol=1e-6, atol=1e-7)
+    # Column i of jacfwd: every rank moves its element i at once, the sum of the
+    # Jacobian's columns of element i over ranks.
+    columns = case.jacobian.sum(axis=case.jacobian.ndim - 1 - case.x.ndim)
+    np.testing.assert_allclose(jax.jacfwd(case.fn)(case.x), columns, rtol=1e-6, atol=1e-7)
 
 
 #: Cases whose second derivatives can be wrong where their first are right: a
@@ -306,17 +380,17 @@ SECOND_ORDER = [
 
 
 @pytest.mark.parametrize("name", SECOND_ORDER)
-def test_second_order(comm, name):
-    fn = lambda x: CASES[name][0](comm, x)  # noqa: E731
-    x = data(comm.rank, comm.size)
-    check_grads(fn, (x,), order=2, modes=["fwd"], eps=1e-4)
+def test_second_order(comm, cases, name):
+    case = cases(name)
+    fn = partial(CASES[name][0], comm)
+    check_grads(fn, (case.x,), order=2, modes=["fwd"], eps=1e-4)
     if (name in PAIRS and comm.size > 1) or name in STANDALONE_PAIRS:
         return  # refused (test_derivatives_of_a_send_recv_gradient_are_refused)
-    # Reverse over reverse: the Hessian-vector product against differences of grads.
-    grad = jax.jit(jax.grad(local_loss(comm, name)))
+    # Reverse over reverse: the Hessian-vector product against differences of
+    # grads (the gradient test's, compiled once for both).
     v = data(comm.rank, comm.size, phase=2.0) - 0.5
-    hvp = jax.grad(lambda x: jnp.vdot(grad(x), v))(x)
-    numeric = (grad(x + EPS * v) - grad(x - EPS * v)) / (2 * EPS)
+    hvp = jax.grad(lambda x: jnp.vdot(case.grad(x), v))(case.x)
+    numeric = (case.grad(case.x + EPS * v) - case.grad(case.x - EPS * v)) / (2 * EPS)
     np.testing.assert_allclose(hvp, numeric, rtol=1e-5, atol=1e-6)
 
 
