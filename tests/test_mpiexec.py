@@ -225,8 +225,8 @@ FILES = {
     "lockstep": "1 2 network asan:stays_paired|dispatched_before|synchronous_failure|"
     "refuses_every_later|receive_left|another_threads|straight|makes_no_communicator|"
     "end_normally|loop_that_a_call jax-2 mpi-3",
-    # asan: the tangent's exchange (jvp) mirrors the counts as the other modes'
-    # exchanges do.
+    # asan: but the counts under jvp: its tangent's exchange (mirrored counts) and
+    # checking mode's errors there run C++ that the other modes and files reach.
     "misuse": "3 asan:-eager]|-jit]|-grad]|-vmap]|neighbor_blocks|root_without|"
     "refused_count|empty_float|roots_ranks jax-2",
     # asan: but finite differences, Python's argument checks, a loop and a
@@ -240,7 +240,8 @@ FILES = {
     # shard_map over several processes, a rank out of step ends the job.
     "failures_between_calls": "sharded-1 sharded-2 sharded-3 sharded-4 jax-sharded-2 mpi-sharded-2",
     "oracle": "sharded-1 sharded-2 sharded-3 sharded-4 jax-sharded-2 mpi-sharded-2",
-    # asan: but vmap, derivatives and the refusals made in Python.
+    # asan: but vmap, derivatives, cond, pytrees and the module functions (the
+    # handlers and buffers of kept tests), and the refusals made in Python.
     "nonblocking": "1 2 eager-jax:eager jaxcomm-jit network asan:collective_values|"
     "logical_reduction|matches_blocking_partner|proc_null|small_leaves|overlapping_computation|"
     "test_says_done|eager_request_dropped|cross_into_another|wrong_receive_size|any_source|"

@@ -16,7 +16,7 @@ fails; a mutation no run catches is "MISSED" and the script exits 1. CI's
 later environments are left out: a catch here is a catch in the README's command.
 
 The sanitizer's run needs its own build, so it has its own mutations: memory
-errors whose values stay right (an over-read, a write into a buffer's slack),
+errors whose values stay right (a read one past a buffer, of its rows or counts),
 which only it can see. `--asan` builds each of them with the sanitizers, as
 test_sanitizer.py does (in build/mutants/asan-build), and runs the asan entries
 of its files' rows, in that test's environment; a sanitizer's report, or a
@@ -284,14 +284,14 @@ MUTATIONS = [
         "in checking mode small leaves still travel as one message: leaves that differ between "
         "ranks but add up alike pair silently",
     ),
-    # The sanitizer's (--asan): each reaches code that only some of its files'
-    # tests reach, so a -k expression in the asan entry that drops them shows.
+    # The sanitizer's (--asan): each reaches code, or a kind of buffer, that only
+    # some of its files' tests reach, so an asan entry that drops them shows.
     Mutation(
         "posted-rows-overread",
         "cpp/variable_size.cc",
         "? pending_.own_copy(x.untyped_data(), x.size_bytes())",
         "? pending_.own_copy(x.untyped_data(), x.size_bytes() ? x.size_bytes() + 1 : 0)",
-        ("variable_size", "neighbor_v"),
+        ("variable_size", "neighbor_v", "misuse"),
         "a posted variable-size exchange copies one byte past x into its request",
         sanitizer=True,
     ),
@@ -300,17 +300,20 @@ MUTATIONS = [
         "cpp/variable_size.cc",
         ": pending_.own_copy(from.packed.data(), from.packed.size());",
         ": pending_.own_copy(from.packed.data(), from.packed.size() + 1);",
-        ("variable_size", "neighbor_v"),
+        ("variable_size", "neighbor_v", "misuse"),
         "a posted variable-size exchange under vmap copies one byte past the rows it packed",
         sanitizer=True,
     ),
+    # Where a count operand is an array of its own (an eager call's), not a slice
+    # of a computation's buffers: reading past it may find anything, and a
+    # negative value sends the counts down the slower path, to the same values.
     Mutation(
-        "batched-counts-overread",
-        "cpp/variable_size.cc",
-        "    for (int64_t c = 0; c < cols; ++c) storage[c * rows + r] = values[r * cols + c];",
-        "    for (int64_t c = 0; c <= cols; ++c) storage[c * rows + r] = values[r * cols + c];",
+        "counts-overread",
+        "cpp/counts.cc",
+        "std::all_of(values_.begin(), values_.end(), [](int c)",
+        "std::all_of(values_.begin(), values_.end() + 1, [](int c)",
         ("variable_size", "neighbor_v", "misuse"),
-        "the counts of a batch are transposed reading one count past the count operand",
+        "int32 counts are checked for negatives reading one count past the count operand",
         sanitizer=True,
     ),
 ]
