@@ -211,27 +211,62 @@ FILES = {
     "eager": "1 3 jaxcomm-jit jax-2",  # the shortcut differs on 1 rank only
     "errors": "1 2 3 eager-jax:truncated jax-2 mpi-2",  # memory: measured on 2
     "gpu": "1 2 3",
-    "graph": "3 asan jax-2 mpi-3",  # 3: a graph not reversed shows; self-loops too
+    # 3: a graph not reversed shows; self-loops too. asan: the exchanges on every
+    # graph, dtype and block shape (an empty one too), eager and jitted, blocking
+    # and posted, a posted one in a loop, checking mode and a freed graph; their
+    # derivatives and vmap call the same handlers on the same kinds of blocks.
+    "graph": "3 asan:neighbor_exchanges|overlaps|checking_mode|subclass|freed_graph|"
+    "one_rank_passes jax-2 mpi-3",
     "in_place": "1 2 3 jax-2 mpi-3",
     "large": "large-2 large-3",
-    "lockstep": "1 2 network asan jax-2 mpi-3",
-    "misuse": "3 asan jax-2",
-    "neighbor_v": "3 asan jax-2 mpi-3",
+    # asan: each way a computation fails, stops or refuses (every later call's
+    # kind after one stop), its abandoned requests, loops that end normally; stops
+    # in other places, and results that are x, reach the same C++.
+    "lockstep": "1 2 network asan:stays_paired|dispatched_before|synchronous_failure|"
+    "refuses_every_later|receive_left|another_threads|straight|makes_no_communicator|"
+    "end_normally|loop_that_a_call jax-2 mpi-3",
+    # asan: but the counts under jvp: its tangent's exchange (mirrored counts) and
+    # checking mode's errors there run C++ that the other modes and files reach.
+    "misuse": "3 asan:-eager]|-jit]|-grad]|-vmap]|neighbor_blocks|root_without|"
+    "refused_count|empty_float|roots_ranks jax-2",
+    # asan: but finite differences, Python's argument checks, a loop and a
+    # comparison with the blocking form (the same handlers and buffers as kept
+    # tests), and alltoallv's adjoint (the exchange reversed, as a kept graph is).
+    "neighbor_v": "3 asan:graph_values|given_counts|cartesian|"
+    "adjoint_identity_and_jvp[allgatherv]|vmap_with_counts|overflow_is_an_error|invalid_counts|"
+    "checking_mode|posted_form_matches|posted_form_derivatives|posted_allgatherv_derivatives|"
+    "posted_allgatherv_errors jax-2 mpi-3",
     # Before the other files of the sharded runs: after jaxcomm has run inside
     # shard_map over several processes, a rank out of step ends the job.
     "failures_between_calls": "sharded-1 sharded-2 sharded-3 sharded-4 jax-sharded-2 mpi-sharded-2",
     "oracle": "sharded-1 sharded-2 sharded-3 sharded-4 jax-sharded-2 mpi-sharded-2",
-    "nonblocking": "1 2 eager-jax:eager jaxcomm-jit network asan jax-2 mpi-2 mpi-3",
+    # asan: but vmap, derivatives, cond, pytrees and the module functions (the
+    # handlers and buffers of kept tests), and the refusals made in Python.
+    "nonblocking": "1 2 eager-jax:eager jaxcomm-jit network asan:collective_values|"
+    "logical_reduction|matches_blocking_partner|proc_null|small_leaves|overlapping_computation|"
+    "test_says_done|eager_request_dropped|cross_into_another|wrong_receive_size|any_source|"
+    "several_in_flight|input_used_after jax-2 mpi-2 mpi-3",
     "ordered_jit": "5 jax-2",
     "ordering": "2 3 jaxcomm-jit jax-2",
     "p2p": "1 2 eager-jax network asan jax-2 mpi-2 mpi-3",
     "properties": "3 jax-2",
-    "reductions": "3 eager-jax:eager asan mpi-3",  # op x dtype: MPI and C++
+    # op x dtype: MPI and C++. asan: each op x dtype's kernel eagerly (its buffers
+    # are arrays of their own there); jitted, the same kernels.
+    "reductions": "3 eager-jax:eager asan:allreduce[eager|scan|test_reduce|shapes|transposed|"
+    "spellings|pytree|bit_for_bit mpi-3",
     "request_safety": "1 2 jaxcomm-jit network asan jax-2 mpi-2 mpi-3",
     "sharded": "sharded-1 sharded-2 sharded-3 sharded-4:along jax-sharded-2 mpi-sharded-2",
     "sizes": "3 4 5 9 mpi-5",  # 3: the wildcard receive needs a third rank
     "topology": "1 2 3 jax-2 mpi-3",
-    "variable_size": "1 3 eager-jax:eager network:nonblocking|ialltoallv asan jax-2 mpi-3",
+    # asan: every pattern, mode and form, one dtype of each width, batches (vmap,
+    # packed), checking mode and the failures; derivatives, loops and Python's
+    # checks call the same handlers with the same kinds of buffers.
+    "variable_size": "1 3 eager-jax:eager network:nonblocking|ialltoallv asan:values_match|"
+    "every_dtype[bool|every_dtype[float16|every_dtype[bfloat16|every_dtype[int32|"
+    "every_dtype[complex|given_recv_counts|zero_size|overflow_is_an_error|more_send_counts|"
+    "checking_mode|ialltoallv_jvp_and_vmap|linear_transpose|allgatherv_and_gatherv_match|"
+    "allgatherv_every_dtype|scatterv_matches|allgatherv_overflow|scatterv_overflow|"
+    "family_matches_blocking|iscatterv_vmap|family_errors_at_the_wait jax-2 mpi-3",
     "vmap": "2 jax-2",  # batching rules: the same on any number of ranks
 }
 

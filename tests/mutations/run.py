@@ -5,15 +5,23 @@ mutated code: the evidence that the table keeps every mutation caught.
     .venv/bin/python tests/mutations/run.py               # every mutation
     .venv/bin/python tests/mutations/run.py skipped-cancel wrong-tag
     .venv/bin/python tests/mutations/run.py --old NAME    # the runs before the cut
+    .venv/bin/python tests/mutations/run.py --asan        # the sanitizer's mutations
 
 A mutation is applied to a copy of the installed jaxcomm in build/mutants/, never
 to the source tree or the venv; a C++ one is compiled from a copy of the sources
 into its own build folder (incremental: one file recompiles). The copy goes first
 on PYTHONPATH, as the sanitizer's run does. The runs of the mutation's files are
 tried in the table's order, each as test_mpiexec.py launches it (-x), until one
-fails; a mutation no run catches is "MISSED" and the script exits 1. The
-sanitizer's run is left out (it needs its own build) and so are CI's later
-environments: a catch here is a catch in the README's command.
+fails; a mutation no run catches is "MISSED" and the script exits 1. CI's
+later environments are left out: a catch here is a catch in the README's command.
+
+The sanitizer's run needs its own build, so it has its own mutations: memory
+errors whose values stay right (a read one past a buffer, of its rows or counts),
+which only it can see. `--asan` builds each of them with the sanitizers, as
+test_sanitizer.py does (in build/mutants/asan-build), and runs the asan entries
+of its files' rows, in that test's environment; a sanitizer's report, or a
+failed test, is a catch. Without `--asan` a sanitizer's mutation named on the
+command line runs in the other runs, where it should pass (values stay right).
 
 A mutant that hangs is caught by the per-test limit (progress.py), lowered here
 to JAXCOMM_TEST_TIMEOUT=120 s unless set.
@@ -40,6 +48,7 @@ sys.path.insert(0, str(TESTS))
 
 from mpirun import failure_summary, run_tests  # noqa: E402
 from test_mpiexec import FILES, NETWORK, RUNS, compile_settings, is_mpich  # noqa: E402
+from test_sanitizer import reports, sanitizer_environment  # noqa: E402
 
 WORK = ROOT / "build" / "mutants"
 
@@ -55,6 +64,7 @@ class Mutation:
     new: str
     files: tuple[str, ...]
     bug: str
+    sanitizer: bool = False  # a memory error only the sanitizer's run sees (--asan)
 
 
 # Left out: a posted alltoallv that leaves MPI its counts in arrays freed when the
@@ -333,6 +343,38 @@ MUTATIONS = [
         "dict keys compared as each process writes them: keys Python holds equal (1, 1.0, "
         "np.int64(1)) raise a false mismatch",
     ),
+    # The sanitizer's (--asan): each reaches code, or a kind of buffer, that only
+    # some of its files' tests reach, so an asan entry that drops them shows.
+    Mutation(
+        "posted-rows-overread",
+        "cpp/variable_size.cc",
+        "? pending_.own_copy(x.untyped_data(), x.size_bytes())",
+        "? pending_.own_copy(x.untyped_data(), x.size_bytes() ? x.size_bytes() + 1 : 0)",
+        ("variable_size", "neighbor_v", "misuse"),
+        "a posted variable-size exchange copies one byte past x into its request",
+        sanitizer=True,
+    ),
+    Mutation(
+        "packed-rows-overread",
+        "cpp/variable_size.cc",
+        ": pending_.own_copy(from.packed.data(), from.packed.size());",
+        ": pending_.own_copy(from.packed.data(), from.packed.size() + 1);",
+        ("variable_size", "neighbor_v", "misuse"),
+        "a posted variable-size exchange under vmap copies one byte past the rows it packed",
+        sanitizer=True,
+    ),
+    # Where a count operand is an array of its own (an eager call's), not a slice
+    # of a computation's buffers: reading past it may find anything, and a
+    # negative value sends the counts down the slower path, to the same values.
+    Mutation(
+        "counts-overread",
+        "cpp/counts.cc",
+        "std::all_of(values_.begin(), values_.end(), [](int c)",
+        "std::all_of(values_.begin(), values_.end() + 1, [](int c)",
+        ("variable_size", "neighbor_v", "misuse"),
+        "int32 counts are checked for negatives reading one count past the count operand",
+        sanitizer=True,
+    ),
 ]
 
 
@@ -367,23 +409,31 @@ def mutated(text: str, m: Mutation) -> str:
     return text.replace(m.old, m.new)
 
 
-def build_mutant(m: Mutation) -> Path:
-    """A folder holding jaxcomm with `m` applied, to go first on PYTHONPATH."""
+def build_mutant(m: Mutation, sanitize: bool = False) -> Path:
+    """A folder holding jaxcomm with `m` applied, to go first on PYTHONPATH; its C++
+    built with the sanitizers if `sanitize` (as test_sanitizer.py builds it)."""
     package = WORK / "package"
     shutil.rmtree(package, ignore_errors=True)
     ignore = shutil.ignore_patterns("__pycache__")
     shutil.copytree(installed_package(), package / "jaxcomm", ignore=ignore)
-    if m.path.startswith("jaxcomm/"):
+    if m.path.startswith("jaxcomm/") and not sanitize:
         target = package / m.path
         target.write_text(mutated(target.read_text(), m))
         return package
-    source, built = WORK / "source", WORK / "cpp-package"
+    if m.path.startswith("jaxcomm/"):
+        sys.exit(f"{m.name}: --asan takes C++ mutations only")
+    kind = "asan-" if sanitize else ""
+    source, built = WORK / "source", WORK / f"{kind}cpp-package"
     sync(source)
     (source / m.path).write_text(mutated((ROOT / m.path).read_text(), m))
     shutil.rmtree(built, ignore_errors=True)
     command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
-    command += ["--target", str(built), f"-Cbuild-dir={WORK / 'cpp-build'}", str(source)]
-    result = subprocess.run(command, capture_output=True, text=True)
+    command += ["--target", str(built), f"-Cbuild-dir={WORK / f'{kind}cpp-build'}", str(source)]
+    if sanitize:  # test_sanitizer.py's options: symbols and line tables kept
+        command += ["-Ccmake.define.JAXCOMM_SANITIZE=ON", "-Cinstall.strip=false"]
+    cores = str(len(os.sched_getaffinity(0)))
+    env = {"CMAKE_BUILD_PARALLEL_LEVEL": cores, **os.environ}
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         sys.exit(f"{m.name}: the build failed\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
     for module in (package / "jaxcomm").glob("_jaxcomm_cpu*"):
@@ -405,13 +455,14 @@ class Launch:
     marks: str = "not slow"
 
 
-def new_launches(m: Mutation) -> list[Launch]:
-    """The table's runs of m's files in the README's command (first environment)."""
+def new_launches(m: Mutation, asan: bool = False) -> list[Launch]:
+    """The table's runs of m's files in the README's command (first environment):
+    the sanitizer's run if `asan`, else the others."""
     launches = []
     for stem in m.files:
         for entry in FILES[stem].split():
             run, _, tests = entry.partition(":")
-            if RUNS[run].environment != "first" or run == "asan":
+            if RUNS[run].environment != "first" or (run == "asan") != asan:
                 continue
             r, tests = RUNS[run], tests.replace("|", " or ")
             launches.append(Launch(run, stem, r.ranks, r.settings, tests, r.marks))
@@ -431,7 +482,9 @@ OLD_NETWORK = (
 OLD_JIT = ("ordering", "nonblocking", "request_safety", "eager")
 
 
-def old_launches(m: Mutation) -> list[Launch]:
+def old_launches(m: Mutation, asan: bool = False) -> list[Launch]:
+    if asan:  # before the sanitizer's -k expressions: every test of each file
+        return [Launch("asan", stem, 2, RUNS["asan"].settings) for stem in m.files]
     launches = []
     for stem in m.files:
         launches += [Launch(str(n), stem, n, {}) for n in (1, 2, 3)]
@@ -450,6 +503,8 @@ def old_launches(m: Mutation) -> list[Launch]:
 
 
 def launch(package: Path, run: Launch):
+    """The run's result, and the sanitizers' summary lines where it is the
+    sanitizer's (test_sanitizer.py's environment: their logs in WORK/logs)."""
     args = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--color=no"]
     args += [str(TESTS / "mpi" / f"test_{run.file}.py"), "-m", run.marks]
     args += ["-k", run.tests] if run.tests else []
@@ -460,7 +515,15 @@ def launch(package: Path, run: Launch):
         **compile_settings(),
         **run.settings,
     }
-    return run_tests(run.ranks, args, env=env)
+    if run.label != "asan":
+        return run_tests(run.ranks, args, env=env), ""
+    logs = WORK / "logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
+    env = {"PYTHONUNBUFFERED": "1", **env, **sanitizer_environment(package, logs)}
+    result = run_tests(run.ranks, args, env=env)
+    summary, found = reports(logs)  # a summary line per rank that saw it: the first
+    return result, summary.split("; ")[0] or ("sanitizer report" if found else "")
 
 
 def failed_test(result) -> str:
@@ -474,31 +537,38 @@ def main() -> int:
     parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
     parser.add_argument("--old", action="store_true", help="the runs before the cut")
     parser.add_argument("--list", action="store_true", help="list the mutations")
+    parser.add_argument(
+        "--asan", action="store_true", help="the sanitizer's run, and by default its mutations"
+    )
     options = parser.parse_args()
-    chosen = [m for m in MUTATIONS if not options.names or m.name in options.names]
+    named = [m for m in MUTATIONS if m.name in options.names]
+    chosen = named or [m for m in MUTATIONS if m.sanitizer == options.asan and not options.names]
     if options.list or not chosen:
         for m in MUTATIONS:
-            print(f"{m.name:26} {m.path:40} {' '.join(m.files):20} {m.bug}")
+            asan = " (--asan)" if m.sanitizer else ""
+            print(f"{m.name:26} {m.path:40} {' '.join(m.files):20} {m.bug}{asan}")
         return 0
     missed = []
     rows = ["| mutation | code | tests/mpi file | run | caught by | s |", "|---" * 6 + "|"]
     for m in chosen:
         started = time.monotonic()
-        package = build_mutant(m)
+        package = build_mutant(m, sanitize=options.asan)
         print(f"{m.name}: built in {time.monotonic() - started:.0f} s", flush=True)
         found = None
-        for run in old_launches(m) if options.old else new_launches(m):
+        launches = (old_launches if options.old else new_launches)(m, options.asan)
+        for run in launches:
             if NETWORK.items() <= run.settings.items() and not is_mpich():
                 continue
             started = time.monotonic()
-            result = launch(package, run)
+            result, reported = launch(package, run)
             seconds = time.monotonic() - started
-            caught = result.returncode != 0 or re.search(r"\d+ (failed|error)", result.stdout)
-            outcome = f"CAUGHT {failed_test(result)}" if caught else "passed"
+            failed = re.search(r"\d+ (failed|error)", result.stdout)
+            caught = reported or result.returncode != 0 or failed
+            outcome = f"CAUGHT {reported or failed_test(result)}" if caught else "passed"
             where = f"{run.label} ({run.file}, {run.ranks} ranks)"
             print(f"  {where}: {outcome} in {seconds:.0f} s", flush=True)
             if caught:
-                found = (run, failed_test(result), seconds)
+                found = (run, reported or failed_test(result), seconds)
                 break
         if found is None:
             missed.append(m.name)
