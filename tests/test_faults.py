@@ -113,6 +113,8 @@ def test_debug_log_names_every_operation_as_the_cpp_table_does(tmp_path):
         jax.grad(ring)(x)
         # Checking mode's check of a replicated cotangent.
         jax.grad(lambda t: JaxComm(check=True).allreduce(t).sum())(x)
+        # And of a pytree's structure, logged as the operation it goes to.
+        JaxComm(check=True).allreduce((x, x))
         if comm.rank == 0:  # one rank: two ranks' lines may interleave
             print("TABLE", *_native.cpu.operations())
     """,
@@ -120,7 +122,8 @@ def test_debug_log_names_every_operation_as_the_cpp_table_does(tmp_path):
     result = run(2, [script], TIMEOUT, env={"JAXCOMM_DEBUG": "1"})
     assert result.returncode == 0, result.stderr
     table = set(re.search(r"TABLE (.*)", result.stdout).group(1).split())
-    logged = set(re.findall(r"^jaxcomm\[rank 0\] (\w+)\(", result.stderr, re.MULTILINE))
+    lines = re.findall(r"^jaxcomm\[rank 0\] (\w+)\((pytree=)?", result.stderr, re.MULTILINE)
+    logged = {"check_structure" if pytree else name for name, pytree in lines}
     assert table <= logged, sorted(table - logged)
     assert logged <= table | {"wait"}, sorted(logged - table)
 
