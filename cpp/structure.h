@@ -13,7 +13,8 @@
 
 namespace jaxcomm::mpi {
 
-// Every rank's `structure` (its leaves' paths) must be the same, as a collective's
+// Every rank's `structure` (its leaves' paths and its nodes' static data, as
+// jaxcomm/_structure.py writes them) must be the same, as a collective's
 // fingerprint must: the error names `operation`, the call the pytree goes to.
 ffi::Error CheckStructure(Token, TokenOut, int64_t comm, bool check, std::string_view operation,
                           std::string_view structure);

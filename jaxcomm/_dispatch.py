@@ -106,8 +106,8 @@ def apply_to_arrays(
 
 def agree_on_structure(primitive: CommPrimitive, x: Any, tree: Any, comm: CommInfo) -> None:
     """In checking mode, before a collective on pytree x (of structure `tree`):
-    every rank's x must have the same leaves' paths, or every rank raises
-    (jaxcomm._structure)."""
+    every rank's x must have the same leaves' paths and nodes' static data, or
+    every rank raises (jaxcomm._structure)."""
     if comm.check and _structure.compared(primitive, tree):
         structure = _structure.describe(x, tree)
         run_alone(
