@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -92,16 +93,18 @@ def run_tests(
     args: list[str],
     env: dict[str, str] | None = None,
     stall: float = progress.STALL_LIMIT,
+    stop: threading.Event | None = None,
 ) -> subprocess.CompletedProcess:
     """Run pytest (`args` after `python`) in tests/mpi's conftest on nprocs ranks,
     for as long as it makes progress: ended only when no rank's journal
     (progress.py) has changed for `stall` seconds, after every rank has written
-    its stacks. Each rank's stacks, if it wrote any, follow stderr under its
-    rank's name, as does a failed test's report that mpiexec did not forward."""
+    its stacks, or when `stop` is set. Each rank's stacks, if it wrote any,
+    follow stderr under its rank's name, as does a failed test's report that
+    mpiexec did not forward."""
     with tempfile.TemporaryDirectory() as folder:
         env = {**(env or {}), progress.FOLDER: folder}
         command, full_env = launch_command(nprocs, args), launch_environment(env, nprocs)
-        result = run_watched(command, Path(folder), stall, full_env)
+        result = run_watched(command, Path(folder), stall, full_env, stop)
         for rank in range(nprocs):
             failure = progress.failure_path(folder, rank)
             text = failure.read_text(errors="replace") if failure.exists() else ""
@@ -115,13 +118,18 @@ def run_tests(
 
 
 def run_watched(
-    command: list[str], watched: Path, stall: float, env: dict[str, str] | None = None
+    command: list[str],
+    watched: Path,
+    stall: float,
+    env: dict[str, str] | None = None,
+    stop: threading.Event | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `command` in environment `env` (None: this one) until it ends, or until
     nothing in `watched` (or below it) has changed for `stall` seconds: then the
     processes that wrote their ids there (a journal's "pid N" line) are asked for
-    their stacks, and the command's process group is killed. The result's
-    `stalled` says why it was, else it is empty."""
+    their stacks, and the command's process group is killed. Killed at once
+    when `stop` is set (early.py). The result's `stalled` says why it was
+    ended, else it is empty."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         job = subprocess.Popen(
             command, stdout=out, stderr=err, text=True, env=env,
@@ -129,6 +137,11 @@ def run_watched(
         )  # fmt: skip
         last, newest, stalled = time.monotonic(), newest_change(watched), ""
         while job.poll() is None:
+            if stop is not None and stop.is_set():
+                stalled = "stopped"
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
+                break
             if (changed := newest_change(watched)) != newest:
                 last, newest = time.monotonic(), changed
             elif time.monotonic() - last > stall:
@@ -138,7 +151,7 @@ def run_watched(
                 job.wait()
                 break
             with contextlib.suppress(subprocess.TimeoutExpired):
-                job.wait(timeout=min(5.0, stall / 10))
+                job.wait(timeout=min(1.0, stall / 10))
         out.seek(0), err.seek(0)
         result = subprocess.CompletedProcess(command, job.returncode, out.read(), err.read())
     result.stalled = stalled

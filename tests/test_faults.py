@@ -2,13 +2,17 @@
 hang watchdog, and an exception on one rank. Each runs a small program under
 mpiexec with a timeout, so a hang fails the test instead of stalling the suite."""
 
+import functools
 import os
 import re
 import shutil
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import early
 import progress
 import pytest
 from mpirun import failure_summary, rank_outputs, run, run_tests, run_watched
@@ -817,8 +821,8 @@ def test_a_run_of_tests_is_ended_when_it_stops_making_progress(tmp_path):
         journal.write_text(f"pid {os.getpid()}\\n")
         stacks = open(progress.stacks_path(folder, 0), "w")
         faulthandler.register(progress.STACKS_SIGNAL, file=stacks, all_threads=True, chain=True)
-        for step in range(8):  # 8 s of progress, past the 5 s limit
-            time.sleep(1)
+        for step in range(8):  # 4 s of progress, past the 3 s limit
+            time.sleep(0.5)
             with journal.open("a") as out:
                 out.write(f"done step {step}\\n")
         print("made progress", flush=True)
@@ -828,8 +832,41 @@ def test_a_run_of_tests_is_ended_when_it_stops_making_progress(tmp_path):
     folder = tmp_path / "journal"
     folder.mkdir()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
-    result = run_watched([sys.executable, script, str(folder)], folder, stall=5, env=env)
+    result = run_watched([sys.executable, script, str(folder)], folder, stall=3, env=env)
     assert result.stdout == "made progress\n", result.stdout + result.stderr
-    assert result.stalled == f"no progress for 5 s (nothing in {folder} changed): ended"
+    assert result.stalled == f"no progress for 3 s (nothing in {folder} changed): ended"
     stacks = progress.stacks_path(folder, 0).read_text()
     assert re.search(r'line \d+ in wait\n.*program.py", line \d+ in <module>', stacks, re.S), stacks
+
+
+@harness_alone
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="early.py starts nothing without it")
+def test_early_work_runs_idle_and_is_redone_unless_finished(tmp_path):
+    """early.py: a job's processes run under SCHED_IDLE; a finished job's result
+    is taken; a running one is stopped (its processes killed) and one not yet
+    started is dropped, both at once, leaving the work to the caller."""
+    started, dropped = tmp_path / "started", tmp_path / "dropped"
+
+    def shell(script: str, stop) -> subprocess.CompletedProcess:
+        return run_watched(["sh", "-c", script], tmp_path, stall=600, stop=stop)
+
+    early.start(
+        {
+            "policy": functools.partial(shell, "ps -o cls= -p $$"),
+            "finished": lambda stop: "its result",
+            "running": functools.partial(shell, f"echo $$ > {started}; exec sleep 600"),
+            "waiting": functools.partial(shell, f"touch {dropped}"),
+        }
+    )
+    while not started.exists() or not started.read_text().strip():
+        time.sleep(0.1)
+    assert early.take("policy").stdout.split() == ["IDL"]
+    assert early.take("finished") == "its result"
+    begun = time.monotonic()
+    assert early.take("waiting") is None
+    assert early.take("running") is None
+    assert time.monotonic() - begun < 60  # not the 600 s of the running job
+    assert not progress.running(int(started.read_text()))
+    time.sleep(0.5)  # time for the dropped job to run, were it run
+    assert not dropped.exists()
+    assert early.take("unknown") is None

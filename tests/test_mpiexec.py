@@ -22,15 +22,18 @@ from __future__ import annotations
 import atexit
 import functools
 import importlib.util
+import math
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import early
 import pytest
 from mpirun import failure_summary, mpiexec, run_tests
 
@@ -57,6 +60,10 @@ FEWER_EXAMPLES = {
     "JAXCOMM_ORACLE_EXAMPLES": "2",
 }
 
+# A test's limit where none should apply (a day): a finite number, which the
+# per-rank timers take.
+NO_LIMIT = 24 * 3600
+
 # The ranks are the processes of one jax.distributed program (tests/mpi/conftest.py
 # starts it), so test_sharded.py runs alone.
 SHARDED = {"JAXCOMM_TEST_DISTRIBUTED": "1"}
@@ -72,6 +79,7 @@ class Run:
     environment: str = "first"
     matrix: bool = True  # left out by -m "not matrix"
     marks: str = "not slow"  # the tests/mpi marker expression
+    early: bool = False  # started in the background when the session starts (early.py)
 
 
 RUNS = {
@@ -80,6 +88,7 @@ RUNS = {
         "a rank that is its own peer: messages to itself, itself as root, source "
         "and every neighbour (a periodic dimension of one rank), and a "
         "communicator of one rank (a failure there leaves no peer out of step)",
+        early=True,  # one rank: it runs while tests before it leave a core idle
     ),
     "2": Run(
         2,
@@ -140,13 +149,14 @@ RUNS = {
         "a jax.distributed program of one process: a mesh and lines of one device",
         {**SHARDED, "JAXCOMM_ORACLE_EXAMPLES": "1"},
     ),
-    "sharded-2": Run(
-        2, "jax.distributed, shard_map and JAX's types on a pair", SHARDED, matrix=False
-    ),
+    # A pair (both neighbours one process) runs in the other environments
+    # (jax-sharded-2, mpi-sharded-2); 3 processes find what it finds and more.
     "sharded-3": Run(
         3,
-        "jax.distributed with distinct neighbours: sendrecv against ppermute",
-        {**SHARDED, "JAXCOMM_ORACLE_EXAMPLES": "2"},
+        "jax.distributed, shard_map and JAX's types, with distinct neighbours: "
+        "sendrecv against ppermute",
+        SHARDED,
+        matrix=False,
     ),
     "sharded-4": Run(4, "comm.along on a 2x2 mesh", {**SHARDED, "JAXCOMM_ORACLE_EXAMPLES": "1"}),
     "jax-2": Run(
@@ -206,7 +216,7 @@ FILES = {
     "checking": "2 network asan jax-2 mpi-3",
     "collectives": "1 2 3 eager-jax:eager asan jax-2 mpi-3",
     "comm": "1 2 3 jax-2 mpi-3",
-    "control_flow_derivatives": "1 2 3 jaxcomm-jit jax-2 mpi-2",
+    "control_flow_derivatives": "3 jaxcomm-jit jax-2 mpi-2",
     "counts": "1 3 asan jax-2",  # validated in jaxcomm, before MPI is called
     "eager": "1 3 jaxcomm-jit jax-2",  # the shortcut differs on 1 rank only
     "errors": "1 2 3 eager-jax:truncated jax-2 mpi-2",  # memory: measured on 2
@@ -222,7 +232,7 @@ FILES = {
     # asan: each way a computation fails, stops or refuses (every later call's
     # kind after one stop), its abandoned requests, loops that end normally; stops
     # in other places, and results that are x, reach the same C++.
-    "lockstep": "1 2 network asan:stays_paired|dispatched_before|synchronous_failure|"
+    "lockstep": "1 network asan:stays_paired|dispatched_before|synchronous_failure|"
     "refuses_every_later|receive_left|another_threads|straight|makes_no_communicator|"
     "end_normally|loop_that_a_call jax-2 mpi-3",
     # asan: but the counts under jvp: its tangent's exchange (mirrored counts) and
@@ -238,8 +248,8 @@ FILES = {
     "posted_allgatherv_errors jax-2 mpi-3",
     # Before the other files of the sharded runs: after jaxcomm has run inside
     # shard_map over several processes, a rank out of step ends the job.
-    "failures_between_calls": "sharded-1 sharded-2 sharded-3 sharded-4 jax-sharded-2 mpi-sharded-2",
-    "oracle": "sharded-1 sharded-2 sharded-3 sharded-4 jax-sharded-2 mpi-sharded-2",
+    "failures_between_calls": "sharded-1 sharded-3 sharded-4 jax-sharded-2 mpi-sharded-2",
+    "oracle": "sharded-1 sharded-3 sharded-4 jax-sharded-2 mpi-sharded-2",
     # asan: but vmap, derivatives, cond, pytrees and the module functions (the
     # handlers and buffers of kept tests), and the refusals made in Python.
     "nonblocking": "1 2 eager-jax:eager jaxcomm-jit network asan:collective_values|"
@@ -255,8 +265,11 @@ FILES = {
     "reductions": "3 eager-jax:eager asan:allreduce[eager|scan|test_reduce|shapes|transposed|"
     "spellings|pytree|bit_for_bit mpi-3",
     "request_safety": "1 2 jaxcomm-jit network asan jax-2 mpi-2 mpi-3",
-    "sharded": "sharded-1 sharded-2 sharded-3 sharded-4:along jax-sharded-2 mpi-sharded-2",
-    "sizes": "3 4 5 9 mpi-5",  # 3: the wildcard receive needs a third rank
+    "sharded": "sharded-1 sharded-3 sharded-4:along jax-sharded-2 mpi-sharded-2",
+    # 3: every mode; the wildcard receive needs a third rank. 4, 5, 9: MPI's
+    # algorithms by rank count, given the sizes eagerly and in place (donated:
+    # MPI_IN_PLACE); a jitted call passes MPI what an eager one does.
+    "sizes": "3 4:eager|donated|wildcard 5:eager|donated|wildcard 9:eager|donated|wildcard mpi-5",
     "topology": "1 2 3 jax-2 mpi-3",
     # asan: every pattern, mode and form, one dtype of each width, batches (vmap,
     # packed), checking mode and the failures; derivatives, loops and Python's
@@ -337,15 +350,36 @@ def suite_environment(run: str) -> dict[str, str]:
     return {"JAXCOMM_TEST_RANKS": ranks, **compile_settings(), **RUNS[run].settings}
 
 
-def run_suite(run: str) -> None:
-    """`run` under mpiexec; asserts that every rank passed."""
-    ranks = RUNS[run].ranks
+def launch(run: str, stop: threading.Event | None = None) -> subprocess.CompletedProcess:
+    """`run` under mpiexec, until it ends, or until `stop` is set (early.py)."""
     args = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--color=no", *pytest_args(run)]
-    # Ended only when it stops making progress (progress.py), however slow the machine.
-    result = run_tests(ranks, args, env={"PYTHONPATH": str(HERE), **suite_environment(run)})
+    env = {"PYTHONPATH": str(HERE), **suite_environment(run)}
+    if stop is None:
+        # Ended only when it stops making progress (progress.py), however slow the machine.
+        return run_tests(RUNS[run].ranks, args, env=env)
+    # In the background it runs only when the tests leave a core free, for
+    # minutes on end on a busy machine, so no limit applies: a hang is still
+    # running when its test comes, which stops it and runs it again, with limits.
+    env["JAXCOMM_TEST_TIMEOUT"] = str(NO_LIMIT)
+    return run_tests(RUNS[run].ranks, args, env=env, stall=math.inf, stop=stop)
+
+
+def early_jobs(chosen: set[str]) -> dict[str, early.Work]:
+    """The early runs (Run.early) among the session's `chosen` tests."""
+    names = {f"{test_mpi_suite.__name__}[{run}]": run for run in RUNS if RUNS[run].early}
+    return {test: functools.partial(launch, run) for test, run in names.items() if test in chosen}
+
+
+def run_suite(run: str) -> None:
+    """`run` under mpiexec (the early job's, if it has finished); asserts that
+    every rank passed."""
+    ranks = RUNS[run].ranks
+    result = early.take(f"{test_mpi_suite.__name__}[{run}]")
+    started = "started early, " if result else ""
+    result = result or launch(run)
     # One summary per rank; ranks' output may interleave on a line.
     summaries = re.findall(r"\d+ passed[\w ,]* in [\d.]+s", result.stdout)
-    print(f"{run} ({ranks} ranks):", summaries)
+    print(f"{run} ({started}{ranks} ranks):", summaries)
     # The first line of the message is what pytest's summary shows: the inner test
     # and the rank that failed it or ran out of time.
     first_line = failure_summary(result)

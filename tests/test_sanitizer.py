@@ -7,11 +7,12 @@ the sanitizer's report, where a plain build may pass over it or crash elsewhere.
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
+import early
 import pytest
-from mpirun import failure_summary, run, run_tests, run_watched
+import sanitized_build
+from mpirun import failure_summary, run, run_tests
 from test_mpiexec import RUNS, pytest_args, suite_environment
 
 HERE = Path(__file__).parent
@@ -40,27 +41,20 @@ def sanitizer_environment(package: Path, logs: Path) -> dict[str, str]:
     }
 
 
+#: The early job (early.py) that builds the sanitized jaxcomm.
+BUILD = "sanitized build"
+
+
+def early_jobs(chosen: set[str]) -> dict[str, early.Work]:
+    """The build, if the session's `chosen` tests hold this file's."""
+    wanted = test_mpi_suite_under_address_and_undefined_behaviour_sanitizers.__name__ in chosen
+    return {BUILD: sanitized_build.build} if wanted else {}
+
+
 @pytest.fixture(scope="module")
-def sanitized(tmp_path_factory) -> Path:
-    """A sanitized jaxcomm installed alone into a folder that goes first on
-    PYTHONPATH, built with this environment's CMake, nanobind and jaxlib."""
-    package = tmp_path_factory.mktemp("sanitized")
-    build = tmp_path_factory.mktemp("sanitized-build")
-    command = [
-        *(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"),
-        *("--target", str(package), f"-Cbuild-dir={build}"),
-        # nanobind strips Release modules unless told not to; the install step too.
-        *("-Ccmake.define.JAXCOMM_SANITIZE=ON", "-Cinstall.strip=false"),
-        str(HERE.parent),
-    ]
-    # CMake's Makefiles compile one file at a time unless told otherwise.
-    cores = str(len(os.sched_getaffinity(0)))
-    env = {"CMAKE_BUILD_PARALLEL_LEVEL": cores, **os.environ}
-    # Ended only when the build stops writing files: no step (a compile under ASan)
-    # takes ten minutes, however loaded the machine.
-    result = run_watched(command, build, stall=600, env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return package
+def sanitized() -> Path:
+    """A sanitized jaxcomm (sanitized_build.py): the early job's if it has finished."""
+    return early.take(BUILD) or sanitized_build.build()
 
 
 def reports(logs: Path) -> tuple[str, str]:

@@ -147,8 +147,9 @@ def test_a_communicator_without_the_topology_is_refused_and_freed(comm):
 
 
 def test_many_communicators_are_freed(comm):
-    # MPI runs out of communicator context ids after a few thousand leaks.
-    for _ in range(3000):
+    # MPICH has 2046 communicator context ids left to give: one leaked per call
+    # runs out before the loop ends.
+    for _ in range(2100):
         comm.create_cart([comm.size]).free()
 
 

@@ -254,6 +254,15 @@ MUTATIONS = [
         "collective inside pairs with the operation its peers wait in",
     ),
     Mutation(
+        "loop-constant-untied",
+        "jaxcomm/_jax_internals/tangents.py",
+        "        return [_tied_to_an_input(trace, x) for x in args]",
+        "        return args",
+        ("control_flow_derivatives",),
+        "a call of constants traced in a loop body is not tied to the body's inputs: "
+        "jax.checkpoint nested in the body moves it out of the loop on some ranks only",
+    ),
+    Mutation(
         "loop-owes-nothing",
         "jaxcomm/_lockstep.py",
         "    return BRACKETED if placeable else _UNTRACKED",
