@@ -16,3 +16,10 @@ def pytest_collection_finish(session):
 
     chosen = {item.name for item in session.items}
     early.start({**test_mpiexec.early_jobs(chosen), **test_sanitizer.early_jobs(chosen)})
+
+
+def pytest_unconfigure(config):
+    # Before the temporary folders they write in are removed at exit.
+    import early
+
+    early.stop_all()

@@ -46,7 +46,7 @@ def start(jobs: dict[str, Work]) -> None:
         return
     _jobs.update(chosen)
     threading.Thread(target=_run, args=(list(chosen.values()),), daemon=True).start()
-    atexit.register(_stop_all, list(chosen.values()))
+    atexit.register(stop_all)
 
 
 def _run(jobs: list[_Job]) -> None:
@@ -79,8 +79,13 @@ def take(name: str) -> Any | None:
     return None if isinstance(job.result, Exception) else job.result
 
 
-def _stop_all(jobs: list[_Job]) -> None:
+def stop_all() -> None:
+    """Stop every job not taken (the session ends): their processes are killed."""
+    jobs = list(_jobs.values())
+    _jobs.clear()
     for job in jobs:
-        job.stop.set()
+        with _lock:
+            job.stop.set()
     for job in jobs:
-        job.done.wait(timeout=30)
+        if job.started:
+            job.done.wait(timeout=30)
