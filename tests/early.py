@@ -5,8 +5,8 @@ Most tests leave a core idle for part of their time: one rank's run, a rank
 waiting for its peer, a program starting. Jobs run one after another in a
 thread of their own under Linux's SCHED_IDLE policy (a thread's, inherited by
 the processes it starts), so they take only what the tests leave: a test's
-process that wakes takes the core from them at once, which nice 19 alone does
-not do (a rank waking for its message would wait for their time slice). A test
+process that wakes takes the core from them at once, and while other work
+wants every core they get none (at nice 19 they would still get a share). A test
 that needs a job's result takes it if the job has finished, and otherwise
 stops it and does the work itself at normal priority, as if it had never been
 started: a busy machine never waits for a job that the tests starve.
