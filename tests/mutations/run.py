@@ -352,6 +352,41 @@ MUTATIONS = [
         "dict keys compared as each process writes them: keys Python holds equal (1, 1.0, "
         "np.int64(1)) raise a false mismatch",
     ),
+    # Counts and capacities that do not fit, refused by one comparison each: only
+    # an example on the boundary (one row too many) shows an off-by-one, and
+    # test_misuse.py draws such examples per operation and mode (its EXAMPLES).
+    Mutation(
+        "excess-count-unrefused",
+        "cpp/counts.cc",
+        "if (!valid() || most_ <= rows) return;",
+        "if (!valid() || most_ <= rows + 1) return;",
+        ("misuse", "variable_size"),
+        "send counts that add up to one row more than x has pass: MPI reads a row past x",
+    ),
+    Mutation(
+        "overflow-by-one-unrefused",
+        "cpp/variable_size.cc",
+        "return received.valid() && received.most() <= capacity_;",
+        "return received.valid() && received.most() <= capacity_ + 1;",
+        ("misuse", "variable_size"),
+        "one row more than capacity arriving is not an overflow: the result silently lacks it",
+    ),
+    Mutation(
+        "negative-capacity-unrefused",
+        "jaxcomm/_checks.py",
+        "    if rows < 0:\n",
+        "    if rows < -1:\n",
+        ("misuse", "variable_size"),
+        "capacity=-1 is taken as a number of rows",
+    ),
+    Mutation(
+        "rank-past-size-unrefused",
+        "jaxcomm/_checks.py",
+        "if 0 <= rank < size or rank in wildcards:",
+        "if 0 <= rank <= size or rank in wildcards:",
+        ("misuse",),
+        "a root, source or destination equal to the communicator's size reaches MPI",
+    ),
     # The sanitizer's (--asan): each reaches code, or a kind of buffer, that only
     # some of its files' tests reach, so an asan entry that drops them shows.
     Mutation(
