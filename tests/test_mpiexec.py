@@ -80,6 +80,7 @@ class Run:
     matrix: bool = True  # left out by -m "not matrix"
     marks: str = "not slow"  # the tests/mpi marker expression
     early: bool = False  # started in the background when the session starts (early.py)
+    optimised: bool = False  # its programs compiled with LLVM's optimisations (UNOPTIMISED)
 
 
 RUNS = {
@@ -137,8 +138,11 @@ RUNS = {
         "messages of more than 2**31 - 1 elements (2 GiB per rank: each test runs "
         "on one rank count only)",
         marks="slow",
+        optimised=True,
     ),
-    "large-3": Run(3, "the same, a message that only one rank of a ring splits", marks="slow"),
+    "large-3": Run(
+        3, "the same, a message that only one rank of a ring splits", marks="slow", optimised=True
+    ),
     "4": Run(4, "MPI's algorithms for a power of two beyond a pair; a 2x2 mesh"),
     "5": Run(5, "MPI's algorithms for an odd count past 3, oversubscribed"),
     "9": Run(9, "the most ranks tested, four times the cores"),
@@ -148,6 +152,7 @@ RUNS = {
         1,
         "a jax.distributed program of one process: a mesh and lines of one device",
         {**SHARDED, "JAXCOMM_ORACLE_EXAMPLES": "1"},
+        early=True,  # one process too
     ),
     # A pair (both neighbours one process) runs in the other environments
     # (jax-sharded-2, mpi-sharded-2); 3 processes find what it finds and more.
@@ -306,29 +311,42 @@ def pytest_args(run: str) -> list[str]:
     return args + (["-k", " and ".join(limits)] if limits else [])
 
 
-# XLA's older fusion emitter, where this XLA still has it (JAX 0.10): it compiles
-# the suite's thousands of small test programs in about two thirds of the time
-# of the newer one, which is most of the suite's time. The programs compute the
-# same values either way, and jaxcomm's operations are calls, not fusions. The
-# examples, docs and benchmarks keep XLA's defaults. An XLA that does not know a
-# flag ends the process, hence the probe.
-QUICKER_COMPILES = "--xla_cpu_use_fusion_emitters=false"
+# XLA flags that compile the suite's thousands of small test programs in less
+# time, which is most of the suite's time; each is kept where this XLA knows it
+# (one it does not know ends the process, hence a probe per flag). They change
+# how XLA compiles the tests' own arithmetic, which the tests compare at the
+# precision each states, not jaxcomm's operations: calls, which XLA does not
+# compile. The examples, docs and benchmarks keep XLA's defaults.
+QUICKER_COMPILES = (
+    # XLA's older fusion emitter, where this XLA still has it (JAX 0.10): about
+    # two thirds of the newer one's compile time.
+    "--xla_cpu_use_fusion_emitters=false",
+)
+# No LLVM optimisation, where a test's program runs once or twice on small arrays
+# (a run on 3 ranks takes about a tenth less), but not in the runs whose
+# programs go over GiBs (Run.optimised: about twice their time without it).
+UNOPTIMISED = "--xla_backend_optimization_level=0"
 
 
 @functools.cache
-def compile_settings() -> dict[str, str]:
-    """How the per-rank suite compiles: XLA_FLAGS (this environment's, and
-    QUICKER_COMPILES if this XLA knows it), and JAXCOMM_TEST_XLA_CACHE, where the
-    runs of this session keep what they compiled (tests/mpi/conftest.py)."""
-    flags = f"{os.environ.get('XLA_FLAGS', '')} {QUICKER_COMPILES}".strip()
+def knows_flag(flag: str) -> bool:
+    """Whether this XLA accepts `flag` in XLA_FLAGS."""
     probe = [sys.executable, "-c", "import jax; jax.devices()"]
-    known = subprocess.run(probe, env={**os.environ, "XLA_FLAGS": flags}, capture_output=True)
-    return {
-        "JAXCOMM_TEST_XLA_CACHE": xla_cache(),
-        **({"XLA_FLAGS": flags} if known.returncode == 0 else {}),
-    }
+    env = {**os.environ, "XLA_FLAGS": flag}
+    return subprocess.run(probe, env=env, capture_output=True).returncode == 0
 
 
+def compile_settings(optimised: bool = False) -> dict[str, str]:
+    """How the per-rank suite compiles: XLA_FLAGS (this environment's, and those
+    of QUICKER_COMPILES and UNOPTIMISED, unless `optimised`, that this XLA
+    knows), and JAXCOMM_TEST_XLA_CACHE, where the runs of this session keep what
+    they compiled (tests/mpi/conftest.py)."""
+    quicker = [*QUICKER_COMPILES, *([] if optimised else [UNOPTIMISED])]
+    flags = " ".join([os.environ.get("XLA_FLAGS", ""), *filter(knows_flag, quicker)]).strip()
+    return {"JAXCOMM_TEST_XLA_CACHE": xla_cache(), **({"XLA_FLAGS": flags} if flags else {})}
+
+
+@functools.cache
 def xla_cache() -> str:
     """A folder for this session's compiled programs, removed at its end.
 
@@ -347,7 +365,8 @@ def xla_cache() -> str:
 def suite_environment(run: str) -> dict[str, str]:
     """The environment of the ranks of `run` (but the launcher's, mpirun.py)."""
     ranks = str(RUNS[run].ranks)
-    return {"JAXCOMM_TEST_RANKS": ranks, **compile_settings(), **RUNS[run].settings}
+    compiles = compile_settings(RUNS[run].optimised)
+    return {"JAXCOMM_TEST_RANKS": ranks, **compiles, **RUNS[run].settings}
 
 
 def launch(run: str, stop: threading.Event | None = None) -> subprocess.CompletedProcess:
